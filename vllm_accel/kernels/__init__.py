@@ -1,0 +1,1 @@
+"""Pure torch + triton kernels. No vLLM imports in this package."""

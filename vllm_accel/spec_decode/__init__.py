@@ -1,0 +1,1 @@
+"""Model-free speculative proposers (vLLM ``custom_class`` method)."""
