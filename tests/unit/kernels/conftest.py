@@ -51,8 +51,9 @@ def make_paged_batch(
 ) -> PagedBatch:
     """Random varlen batch whose K/V live in a paged cache with shuffled page ids.
 
-    ``layout='cpu'``: vLLM CPU pages (K rows then V rows per (page, head));
-    ``layout='kv_last'``: vLLM CUDA pages (K|V in the last dim, NHD physical order).
+    ``layout='cpu'``: vLLM CPU pages as the ``vec`` ISA packs them (per (page, head) a K tile
+    stored transposed, then a V tile); ``layout='kv_last'``: vLLM CUDA pages (K|V in the last
+    dim, NHD physical order).
     """
     g = torch.Generator().manual_seed(seed)
     keys = [torch.randn(n, num_kv_heads, head_dim, generator=g).to(dtype) for n in seq_lens]
@@ -64,7 +65,7 @@ def make_paged_batch(
     block_table = torch.zeros(len(seq_lens), max(pages_per_seq), dtype=torch.int32)
     if layout == "cpu":
         storage = torch.zeros(num_pages, num_kv_heads, page_size, 2 * head_dim, dtype=dtype)
-        k_cache, v_cache = bsa.kv_cache_views_cpu(storage)
+        k_cache, v_cache = bsa.kv_cache_views_cpu(storage, isa="vec")
     elif layout == "kv_last":
         physical = torch.zeros(num_pages, page_size, num_kv_heads, 2 * head_dim, dtype=dtype)
         k_cache, v_cache = bsa.kv_cache_views_split_last_dim(physical.transpose(1, 2))

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import doctest
 import math
 
 import pytest
 import torch
 
+from vllm_accel.kernels import block_scoring
 from vllm_accel.kernels.block_scoring import (
     BlockScoringConfig,
     antidiagonal_block_mass,
@@ -22,6 +24,10 @@ from vllm_accel.kernels.block_sparse_attention import (
 )
 
 from .conftest import dense_causal_attention, make_paged_batch
+
+
+def test_doctests():
+    assert doctest.testmod(block_scoring).failed == 0
 
 
 def _naive_antidiagonal(q, k, ctx, BQ, BK, S, scale):
@@ -223,3 +229,21 @@ def test_config_validation():
     with pytest.raises(ValueError):
         BlockScoringConfig(gqa="sum")
     assert QueryBlocks.build(torch.tensor([5]), torch.tensor([0, 0]), 16).num_blocks == 0
+
+
+def test_compact_selection_equals_mask_selection():
+    from vllm_accel.kernels.block_scoring import _select_indices_from_mass
+
+    g = torch.Generator().manual_seed(8)
+    mass = torch.rand(3, 5, 12, generator=g)
+    first = torch.tensor([0, 40, 64, 100, 170])
+    last = torch.tensor([31, 63, 95, 127, 181])
+    for kw in (dict(tau=0.5), dict(tau=None, density=0.3), dict(tau=0.8, max_blocks=4)):
+        cfg = BlockScoringConfig(key_block_size=16, query_block_size=32, stride=16, **kw)
+        idx, cnt = _select_indices_from_mass(mass, first, last, cfg)
+        mask = select_from_block_mass(mass, first, last, 16, **kw)
+        qb = QueryBlocks(32, torch.zeros(5, dtype=torch.int32), torch.arange(5, dtype=torch.int32),
+                         first, last, (182,), (182,), (0, 5))
+        ref = BlockSelection.from_mask(mask, qb, 16)
+        assert torch.equal(cnt, ref.block_counts)
+        assert torch.equal(idx[..., : ref.block_indices.shape[-1]], ref.block_indices)

@@ -74,17 +74,81 @@ def test_selection_from_mask_compacts_and_splits_offband():
     assert sel.density() == pytest.approx(6 / (4 + 6))
 
 
-def test_kv_cache_views_match_vllm_layouts():
+def test_kv_cache_views_of_cpu_and_cuda_layouts():
     nb, H, P, D = 3, 2, 4, 8
     cpu = torch.arange(nb * H * P * 2 * D, dtype=torch.float32).view(nb, H, P, 2 * D)
-    k, v = bsa.kv_cache_views_cpu(cpu)
     rows = cpu.view(nb, H, 2 * P, D)
+    k, v = bsa.kv_cache_views_cpu(cpu, isa="plain")
     assert k.shape == (nb, P, H, D)
     assert torch.equal(k[1, 2, 1], rows[1, 1, 2]) and torch.equal(v[1, 2, 1], rows[1, 1, P + 2])
+    k, v = bsa.kv_cache_views_cpu(cpu, isa="vec")  # K tile stored as [D, P]
+    k_tile = rows[1, 1, :P].reshape(-1).view(D, P)
+    assert torch.equal(k[1, 2, 1], k_tile[:, 2]) and torch.equal(v[1, 2, 1], rows[1, 1, P + 2])
     cuda_like = torch.randn(nb, P, H, 2 * D).transpose(1, 2)  # logical [nb, H, P, 2D]
     k, v = bsa.kv_cache_views_split_last_dim(cuda_like)
     assert torch.equal(k[2, 3, 1], cuda_like[2, 1, 3, :D])
     assert torch.equal(v[2, 3, 1], cuda_like[2, 1, 3, D:])
+    with pytest.raises(NotImplementedError):
+        bsa.kv_cache_views_cpu(cpu, isa="neon")
+
+
+def _pack_amx(keys, values, page_size):
+    """Pack plain ``[P, D]`` tiles the way vLLM's AMX ``reshape_and_cache`` lays them out."""
+    P, D = page_size, keys.shape[-1]
+    k_tile = torch.empty(P * D, dtype=keys.dtype)
+    v_tile = torch.empty(P * D, dtype=values.dtype)
+    for t in range(P):
+        for d in range(D):
+            k_tile[(t // 16) * 16 * D + (d // 2) * 32 + (t % 16) * 2 + d % 2] = keys[t, d]
+            v_tile[(d // 16) * 16 * P + (t // 2) * 32 + (d % 16) * 2 + t % 2] = values[t, d]
+    return k_tile, v_tile
+
+
+def test_amx_packed_pages_unpack_on_gather():
+    nb, H, P, D = 3, 2, 32, 32
+    g = torch.Generator().manual_seed(0)
+    plain_k = torch.randn(nb, H, P, D, generator=g)
+    plain_v = torch.randn(nb, H, P, D, generator=g)
+    cache = torch.zeros(nb, H, P, 2 * D)
+    flat = cache.view(nb, H, 2, P * D)
+    for p in range(nb):
+        for h in range(H):
+            flat[p, h, 0], flat[p, h, 1] = _pack_amx(plain_k[p, h], plain_v[p, h], P)
+    k, v = bsa.kv_cache_views_cpu(cache, isa="amx")
+    assert isinstance(k, bsa.PackedKVPages) and k.shape == (nb, P, H, D)
+    pages = torch.tensor([2, 0])
+    assert torch.equal(k.index_select(0, pages), plain_k[pages].transpose(1, 2))
+    assert torch.equal(v.index_select(0, pages), plain_v[pages].transpose(1, 2))
+    seq = bsa.gather_sequence_kv(k, torch.tensor([1, 2]), 40)
+    assert torch.equal(seq, torch.cat([plain_k[1], plain_k[2]], dim=1)[:, :40])
+
+
+def test_cpu_layout_matches_vllm_writer_and_attention_runs_on_it():
+    try:
+        from vllm import _custom_ops as ops
+
+        ops.cpu_attn_reshape_and_cache  # noqa: B018
+    except Exception:
+        pytest.skip("vLLM CPU ops not available")
+    nb, H, P, D, n = 4, 2, 32, 64, 100
+    g = torch.Generator().manual_seed(1)
+    key, value = torch.randn(n, H, D, generator=g), torch.randn(n, H, D, generator=g)
+    cache = torch.zeros(nb, H, P, 2 * D)
+    key_tiles, value_tiles = cache.view(nb, H, 2 * P, D).chunk(2, dim=2)
+    block_table = torch.tensor([[3, 0, 2, 1]], dtype=torch.int32)
+    slots = (block_table[0].long()[torch.arange(n) // P] * P + torch.arange(n) % P)
+    ops.cpu_attn_reshape_and_cache(key, value, key_tiles, value_tiles, slots, "vec")
+    k_cache, v_cache = bsa.kv_cache_views_cpu(cache, isa="vec")
+    assert torch.equal(bsa.gather_sequence_kv(k_cache, block_table[0], n), key.transpose(0, 1))
+    assert torch.equal(bsa.gather_sequence_kv(v_cache, block_table[0], n), value.transpose(0, 1))
+    q = torch.randn(n, 4, D, generator=g)
+    loc, seq_lens = torch.tensor([0, n]), torch.tensor([n])
+    sel = BlockSelection.all_causal(QueryBlocks.build(seq_lens, loc, 32), 32, H)
+    out = block_sparse_attention(q, k_cache, v_cache, sel, block_table, seq_lens, loc)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), is_causal=True,
+        enable_gqa=True).transpose(0, 1)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("layout", ["cpu", "kv_last"])
@@ -209,3 +273,19 @@ def test_triton_rows_without_keys_are_zero():
     assert torch.isfinite(out).all()
     assert torch.count_nonzero(out[:, 1]) == 0
     torch.testing.assert_close(out, _run(batch, sel, "reference"), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("seq_lens,query_lens", [([100, 150, 67], [100, 77, 20]), ([256], [256])])
+def test_torch_path_handles_partial_diagonals_and_ragged_heads(seq_lens, query_lens):
+    # the diagonal region of some query blocks is only partly selected (masked fallback), and
+    # heads select different numbers of blocks (ragged runs merged by log-sum-exp)
+    batch = make_paged_batch(seq_lens, query_lens, page_size=32, seed=6)
+    qb = QueryBlocks.build(batch.seq_lens, batch.query_start_loc, 64)
+    g = torch.Generator().manual_seed(7)
+    mask = torch.rand(qb.num_blocks, 2, 16, generator=g) < 0.5
+    mask[:, :, 0] = True  # every row sees the sink
+    mask[::2, 1] = False  # even query blocks: head 1 sees only ...
+    mask[::2, 1, 0] = True  # ... the sink
+    sel = BlockSelection.from_mask(mask, qb, 16)
+    torch.testing.assert_close(_run(batch, sel, "torch"), _run(batch, sel, "reference"),
+                               atol=2e-5, rtol=1e-5)
