@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import os
 
-import pytest
+# Triton kernels are tested in the CPU interpreter. Triton reads this when kernels are
+# decorated, and vLLM imports triton early, so it must be set before anything is imported.
+# Engines started by the tests get an environment without it (vllm_accel.cpu_env.engine_env).
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from vllm_accel.cpu_env import apply_cpu_thread_env
+import pytest  # noqa: E402
+
+from vllm_accel.cpu_env import apply_cpu_thread_env  # noqa: E402
 
 apply_cpu_thread_env()
 

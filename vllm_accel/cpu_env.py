@@ -19,3 +19,14 @@ def cpu_thread_env() -> dict[str, str]:
 def apply_cpu_thread_env() -> None:
     for key, value in cpu_thread_env().items():
         os.environ.setdefault(key, value)
+
+
+def engine_env() -> dict[str, str]:
+    """Environment for a child process that runs a vLLM engine.
+
+    The current environment, plus the CPU thread defaults, minus ``TRITON_INTERPRET`` (the test
+    suite sets it to run Triton kernels on the CPU; vLLM's engine must not see it).
+    """
+    env = {**cpu_thread_env(), **os.environ}
+    env.pop("TRITON_INTERPRET", None)
+    return env

@@ -13,6 +13,8 @@ import urllib.request
 
 import pytest
 
+from vllm_accel.cpu_env import engine_env
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -35,7 +37,8 @@ def test_serve_answers_a_completion_with_accel_base(default_model, tmp_path):
            "--attention-backend", "ACCEL_BASE", "--host", "127.0.0.1", "--port", str(port),
            "--gpu-memory-utilization", "0.2", "--max-model-len", "2048", "--enforce-eager",
            "--served-model-name", "smollm2"]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env=engine_env())
     try:
         deadline = time.time() + 600
         while time.time() < deadline:

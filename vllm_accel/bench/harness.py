@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -14,7 +13,7 @@ from typing import Any
 
 from vllm_accel.bench.features import BenchPlan, FeatureBench
 from vllm_accel.bench.workloads import Workloads, build
-from vllm_accel.cpu_env import cpu_thread_env
+from vllm_accel.cpu_env import engine_env
 from vllm_accel.quality import identity, needle, perplexity, retrieval
 
 
@@ -27,7 +26,7 @@ def run_side(label: str, engine: dict[str, Any], tasks: list[dict[str, Any]],
     """Run one engine configuration in a fresh process; return the worker's JSON result."""
     log_dir.mkdir(parents=True, exist_ok=True)
     spec = {"engine": engine, "tasks": tasks, "env": {}}
-    env = {**cpu_thread_env(), **os.environ}
+    env = engine_env()
     with tempfile.TemporaryDirectory() as tmp:
         spec_path, out_path = Path(tmp, "spec.json"), Path(tmp, "out.json")
         spec_path.write_text(json.dumps(spec))
@@ -41,7 +40,8 @@ def run_side(label: str, engine: dict[str, Any], tasks: list[dict[str, Any]],
                  str(out_path)], stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout_s)
         if proc.returncode != 0 or not out_path.exists():
             tail = "".join(log_path.read_text(errors="replace").splitlines(True)[-25:])
-            raise BenchError(f"{label} engine failed (exit {proc.returncode}); last log lines:\n{tail}")
+            raise BenchError(
+                f"{label} engine failed (exit {proc.returncode}); last log lines:\n{tail}")
         print(f"[{label}] done in {time.perf_counter() - started:.0f} s", file=sys.stderr,
               flush=True)
         return json.loads(out_path.read_text())

@@ -1,0 +1,64 @@
+"""The vllm-accel command: bad input gets one clear line and a non-zero exit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vllm_accel import cli
+
+
+def test_fetch_model_unknown_name(capsys):
+    assert cli.main(["fetch-model", "llama-70b"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "unknown model 'llama-70b'" in err and "smollm2-135m-instruct" in err
+
+
+def test_fetch_model_list(capsys):
+    assert cli.main(["fetch-model", "--list"]) == 0
+    assert "qwen2.5-coder-0.5b-instruct" in capsys.readouterr().out
+
+
+def test_bench_unknown_feature(capsys):
+    assert cli.main(["bench", "warp-drive"]) == 2
+    assert "unknown feature 'warp-drive'" in capsys.readouterr().err
+
+
+def test_bench_unknown_model(capsys):
+    assert cli.main(["bench", "base", "--model", "nope"]) == 2
+    assert "unknown model 'nope'" in capsys.readouterr().err
+
+
+def test_doctor_lists_backends_and_patches(capsys):
+    assert cli.main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "backend ACCEL_BASE" in out
+    assert "patch backend_enum_pickle" in out and "patch cpu_backend_selection" in out
+
+
+def test_report_renders_table_json_and_plot(tmp_path):
+    from vllm_accel.bench import report
+
+    side = {"by_prompt_length": {512: {"ttft_s": 0.2, "tpot_s": 0.02, "kv_blocks": 5}},
+            "throughput_tok_s": 100.0}
+    result = {
+        "feature": "base", "model": "m", "vllm_version": "0.32.0", "date": "today",
+        "platform": {"device": "cpu", "cpus": 2},
+        "baseline": side,
+        "accelerated": {**side, "by_prompt_length": {
+            512: {"ttft_s": 0.1, "tpot_s": 0.02, "kv_blocks": 4}}},
+        "ratios": {"ttft_speedup": 2.0, "tpot_speedup": 1.0, "throughput_ratio": 1.0,
+                   "kv_memory_reduction": 0.2},
+        "quality": {"greedy_identity": 1.0, "needle_baseline": 1.0, "needle_accelerated": 0.8,
+                    "perplexity_baseline": 10.0, "perplexity_accelerated": 10.5,
+                    "multikey_baseline": 0.5, "multikey_accelerated": 0.5},
+    }
+    text = report.table(result)
+    assert "TTFT @ 512 tok" in text and "2.00x" in text and "+5.0%" in text
+    report.write_json(result, tmp_path / "r.json")
+    assert json.loads((tmp_path / "r.json").read_text())["ratios"]["ttft_speedup"] == 2.0
+    pytest.importorskip("matplotlib")
+    report.write_plot(result, tmp_path / "r.png")
+    assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"

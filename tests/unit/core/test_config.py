@@ -1,0 +1,58 @@
+"""The --additional-config vllm_accel section: typing, validation, env overrides, errors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from vllm_accel import config
+from vllm_accel.config import AccelConfigError, load_section, register_section
+
+
+@register_section("demo_feature")
+@dataclass(frozen=True)
+class DemoKnobs:
+    tau: float = 0.9
+    block: int = 64
+    dense_layers: tuple[int, ...] = (0,)
+    enabled: bool = True
+    method: str = "xattn"
+
+    def validate(self) -> dict[str, str]:
+        problems = {}
+        if not 0 < self.tau <= 1:
+            problems["tau"] = "must be in (0, 1]"
+        if self.method not in ("xattn", "mean"):
+            problems["method"] = "choose one of xattn, mean"
+        return problems
+
+
+def test_defaults_when_nothing_is_set():
+    assert load_section("demo_feature", None, environ={}) == DemoKnobs()
+
+
+def test_values_are_typed_and_env_wins():
+    cfg = load_section(
+        "demo_feature",
+        {"vllm_accel": {"demo_feature": {"tau": 0.5, "dense_layers": [0, 1], "block": 128}}},
+        environ={"VLLM_ACCEL_DEMO_FEATURE_TAU": "0.25", "VLLM_ACCEL_DEMO_FEATURE_ENABLED": "0"},
+    )
+    assert cfg == DemoKnobs(tau=0.25, block=128, dense_layers=(0, 1), enabled=False)
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"tau": 1.5}, r"vllm_accel\.demo_feature\.tau=1\.5: must be in \(0, 1\]"),
+    ({"method": "magic"}, r"demo_feature\.method='magic': choose one of xattn, mean"),
+    ({"block": "big"}, r"demo_feature\.block='big': expected int"),
+    ({"blokc": 3}, r"unknown key\(s\) \['blokc'\]"),
+])
+def test_bad_values_name_the_knob(raw, message):
+    with pytest.raises(AccelConfigError, match=message):
+        load_section("demo_feature", {"vllm_accel": {"demo_feature": raw}}, environ={})
+
+
+def test_unknown_section_is_an_error():
+    with pytest.raises(AccelConfigError, match=r"unknown section\(s\) \['nope'\]"):
+        load_section("demo_feature", {"vllm_accel": {"nope": {}}}, environ={})
+    assert "demo_feature" in config.sections()
