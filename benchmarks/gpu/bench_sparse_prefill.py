@@ -11,12 +11,15 @@ For each prompt length (default 32K/64K/128K; Llama-8B-like 32 query / 8 KV head
   the query heads beforehand, outside the timing);
 * our Triton kernel with every causal block selected (density 1.0: kernel efficiency vs dense);
 * the sparse pipeline at ``--density`` (default 10 %): block scoring + selection
-  (``select_blocks_contiguous``) **plus** the kernel, and each part alone.
+  (``select_blocks_contiguous``, antidiagonal and mean-pooled estimators) **plus** the kernel,
+  and each part alone, for each query/key tiling in ``--configs``.
 
 TFLOP/s are counted on the work done: dense = ``4 * N^2 / 2 * D * Hq``; ours = ``4 * BQ * BK
 * D`` per computed (query block, key block, query head). Speed-ups are vs the dense backends at
-the same length. Correctness is checked at a small length first (density 1.0 vs SDPA, sparse vs
-the dense masked reference). ``--quick`` keeps the whole run under ~3 minutes on an H200.
+the same length (best tiling/estimator). Correctness is checked at a small length first
+(density 1.0 vs SDPA, sparse vs the dense masked reference). ``--quick`` keeps the whole run
+under ~3 minutes on an H200 (2 tilings, 3 repetitions); a failing configuration is reported
+and skipped.
 
 ``--dry-run`` runs the same code at tiny sizes on the CPU with the Triton interpreter, to test
 the script itself on a machine without a GPU.
@@ -44,7 +47,8 @@ def _parse_args(argv=None):
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--density", type=float, default=0.1)
-    p.add_argument("--method", default="antidiagonal", choices=["antidiagonal", "mean_pool"])
+    p.add_argument("--methods", default="antidiagonal,mean_pool",
+                   help="scoring methods to time (comma-separated: antidiagonal, mean_pool)")
     p.add_argument("--stride", type=int, default=16)
     p.add_argument("--configs", default=None,
                    help="comma-separated BQxBK[:warps:stages], e.g. 64x64,128x64:8:3")
@@ -132,20 +136,20 @@ def _dense_attention(q4, k4, v4, backend):
 
 
 def _inputs(n, args, device, dtype, seed=0):
-    g = torch.Generator(device="cpu").manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
     hq, hkv, d = args.q_heads, args.kv_heads, args.head_dim
-    q = torch.randn(n, hq, d, generator=g, dtype=torch.float32).to(device, dtype)
-    k = torch.randn(n, hkv, d, generator=g, dtype=torch.float32).to(device, dtype)
-    v = torch.randn(n, hkv, d, generator=g, dtype=torch.float32).to(device, dtype)
+    q = torch.randn(n, hq, d, generator=g, device=device, dtype=dtype)
+    k = torch.randn(n, hkv, d, generator=g, device=device, dtype=dtype)
+    v = torch.randn(n, hkv, d, generator=g, device=device, dtype=dtype)
     loc = torch.tensor([0, n], dtype=torch.int32, device=device)
     return q, k, v, loc
 
 
-def _scoring_config(args, bq, bk, density):
+def _scoring_config(args, bq, bk, density, method="antidiagonal"):
     stride = args.stride
     while bq % stride or bk % stride:
         stride //= 2
-    return BlockScoringConfig(method=args.method, query_block_size=bq, key_block_size=bk,
+    return BlockScoringConfig(method=method, query_block_size=bq, key_block_size=bk,
                               stride=stride, tau=None, density=density)
 
 
@@ -160,27 +164,35 @@ def check_correctness(args, device, dtype, configs):
     )[0].transpose(0, 1)
     out = {}
     for bq, bk, warps, stages in configs:
-        qb = QueryBlocks.build(loc.cpu()[1:], loc.cpu(), bq, device=device)
-        full = BlockSelection.all_causal(qb, bk, args.kv_heads)
-        o = block_sparse_attention_contiguous(q, k, v, full, loc, loc, backend="triton",
-                                              num_warps=warps, num_stages=stages)
-        err_dense = float((o.float() - ref.float()).abs().max())
-        sel = select_blocks_contiguous(q, k, loc, loc, _scoring_config(args, bq, bk, 0.25),
-                                       query_blocks=qb)
-        o = block_sparse_attention_contiguous(q, k, v, sel, loc, loc, backend="triton",
-                                              num_warps=warps, num_stages=stages)
-        r = block_sparse_attention_reference(q, k, v, sel, None, loc[1:] - loc[:-1], loc,
-                                             kv_start_loc=loc)
-        err_sparse = float((o.float() - r.float()).abs().max())
-        tol = 2e-2 if dtype != torch.float32 else 1e-4
-        out[f"{bq}x{bk}"] = {
-            "seq_len": n,
-            "max_abs_err_density1_vs_sdpa": err_dense,
-            "max_abs_err_sparse_vs_reference": err_sparse,
-            "sparse_density": sel.density(),
-            "ok": err_dense < tol and err_sparse < tol,
-        }
+        try:
+            out[f"{bq}x{bk}"] = _check_config(args, q, k, v, loc, ref, dtype, device, bq, bk,
+                                              warps, stages)
+        except Exception as e:  # report, keep going with the other configurations
+            out[f"{bq}x{bk}"] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
     return out
+
+
+def _check_config(args, q, k, v, loc, ref, dtype, device, bq, bk, warps, stages):
+    qb = QueryBlocks.build(loc.cpu()[1:], loc.cpu(), bq, device=device)
+    full = BlockSelection.all_causal(qb, bk, args.kv_heads)
+    o = block_sparse_attention_contiguous(q, k, v, full, loc, loc, backend="triton",
+                                          num_warps=warps, num_stages=stages)
+    err_dense = float((o.float() - ref.float()).abs().max())
+    sel = select_blocks_contiguous(q, k, loc, loc, _scoring_config(args, bq, bk, 0.25),
+                                   query_blocks=qb)
+    o = block_sparse_attention_contiguous(q, k, v, sel, loc, loc, backend="triton",
+                                          num_warps=warps, num_stages=stages)
+    r = block_sparse_attention_reference(q, k, v, sel, None, loc[1:] - loc[:-1], loc,
+                                         kv_start_loc=loc)
+    err_sparse = float((o.float() - r.float()).abs().max())
+    tol = 2e-2 if dtype != torch.float32 else 1e-4
+    return {
+        "seq_len": q.shape[0],
+        "max_abs_err_density1_vs_sdpa": err_dense,
+        "max_abs_err_sparse_vs_reference": err_sparse,
+        "sparse_density": sel.density(),
+        "ok": err_dense < tol and err_sparse < tol,
+    }
 
 
 def bench_length(n, args, device, dtype, configs, timer):
@@ -199,23 +211,44 @@ def bench_length(n, args, device, dtype, configs, timer):
         except Exception as e:  # backend unavailable on this machine
             row["dense"][name] = {"error": f"{type(e).__name__}: {e}"[:200]}
     del q4, k4, v4
-    loc_cpu = loc.cpu()
     for bq, bk, warps, stages in configs:
         tag = f"{bq}x{bk}" + (f":{warps}:{stages}" if warps else "")
-        t0 = time.perf_counter()
-        qb = QueryBlocks.build(loc_cpu[1:], loc_cpu, bq, device=device)
-        plan_s = time.perf_counter() - t0
-        full = BlockSelection.all_causal(qb, bk, args.kv_heads)
+        try:
+            _bench_config(row, tag, q, k, v, loc, args, device, bq, bk, warps, stages, timer)
+        except Exception as e:  # e.g. out of shared memory for a tile size: keep going
+            row["sparse"][tag] = {"error": f"{type(e).__name__}: {e}"[:300]}
+            print(f"          [{tag}] failed: {row['sparse'][tag]['error']}", flush=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    done = {t: r for t, r in row["sparse"].items() if "total_s" in r}
+    if done:
+        best = min(done.items(), key=lambda kv: kv[1]["total_s"])
+        row["best_sparse_config"] = best[0]
+        for name, r in row["dense"].items():
+            if "time_s" in r:
+                row[f"speedup_vs_{name}"] = r["time_s"] / best[1]["total_s"]
+    return row
 
-        def run(sel):
-            return block_sparse_attention_contiguous(q, k, v, sel, loc, loc, backend="triton",
-                                                     num_warps=warps, num_stages=stages)
 
-        t = timer(lambda: run(full))
-        row["ours_density1"][tag] = {"time_s": t,
-                                     "tflops": attention_flops(full, hq, d) / t / 1e12}
-        del full
-        cfg = _scoring_config(args, bq, bk, args.density)
+def _bench_config(row, tag, q, k, v, loc, args, device, bq, bk, warps, stages, timer):
+    """Our kernel at density 1.0, then scoring + kernel at ``args.density``, for one tiling."""
+    hq, d = args.q_heads, args.head_dim
+    loc_cpu = loc.cpu()
+    t0 = time.perf_counter()
+    qb = QueryBlocks.build(loc_cpu[1:], loc_cpu, bq, device=device)  # per batch, not per layer
+    plan_s = time.perf_counter() - t0
+
+    def run(sel):
+        return block_sparse_attention_contiguous(q, k, v, sel, loc, loc, backend="triton",
+                                                 num_warps=warps, num_stages=stages)
+
+    full = BlockSelection.all_causal(qb, bk, args.kv_heads)
+    t = timer(lambda: run(full))
+    row["ours_density1"][tag] = {"time_s": t, "tflops": attention_flops(full, hq, d) / t / 1e12}
+    del full
+
+    for method in args.methods.split(","):
+        cfg = _scoring_config(args, bq, bk, args.density, method)
         state = {}
 
         def score():
@@ -227,9 +260,9 @@ def bench_length(n, args, device, dtype, configs, timer):
 
         t_total = timer(pipeline)
         t_score = timer(score)
-        sel = state["sel"]
+        sel = state.pop("sel")
         t_attn = timer(lambda: run(sel))
-        row["sparse"][tag] = {
+        row["sparse"][f"{tag}/{method}"] = {
             "density": sel.density(),
             "total_s": t_total,
             "scoring_s": t_score,
@@ -238,15 +271,7 @@ def bench_length(n, args, device, dtype, configs, timer):
             "query_blocks_plan_s": plan_s,
             "scoring": {"method": cfg.method, "stride": cfg.stride, "gqa": cfg.gqa},
         }
-        del sel, state["sel"]
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    best = min(row["sparse"].items(), key=lambda kv: kv[1]["total_s"])
-    row["best_sparse_config"] = best[0]
-    for name, r in row["dense"].items():
-        if "time_s" in r:
-            row[f"speedup_vs_{name}"] = r["time_s"] / best[1]["total_s"]
-    return row
+        del sel
 
 
 def _print_row(row):
@@ -256,15 +281,17 @@ def _print_row(row):
         else f"{k} n/a" for k, v in row["dense"].items())
     print(f"N={n:>6}  dense: {dense}")
     for tag, r in row["ours_density1"].items():
-        print(f"          ours density 1.0 [{tag:>10}] {r['time_s'] * 1e3:8.2f} ms "
+        print(f"          ours density 1.0 [{tag:>22}] {r['time_s'] * 1e3:8.2f} ms "
               f"({r['tflops']:5.0f} TF/s)")
     for tag, r in row["sparse"].items():
-        print(f"          sparse d={r['density']:.3f} [{tag:>10}] total "
-              f"{r['total_s'] * 1e3:8.2f} ms = scoring {r['scoring_s'] * 1e3:7.2f} + attention {r['attention_s'] * 1e3:7.2f}"
-              f" ({r['attention_tflops']:5.0f} TF/s)")
+        if "total_s" not in r:
+            continue
+        print(f"          sparse d={r['density']:.3f} [{tag:>22}] total "
+              f"{r['total_s'] * 1e3:8.2f} ms = scoring {r['scoring_s'] * 1e3:7.2f} + "
+              f"attention {r['attention_s'] * 1e3:7.2f} ({r['attention_tflops']:5.0f} TF/s)")
     sp = "  ".join(f"x{row[k]:.2f} vs {k[len('speedup_vs_'):]}" for k in row
                    if k.startswith("speedup_vs_"))
-    print(f"          best [{row['best_sparse_config']}]: {sp}", flush=True)
+    print(f"          best [{row.get('best_sparse_config')}]: {sp}", flush=True)
 
 
 def main(args=ARGS):
@@ -291,12 +318,15 @@ def main(args=ARGS):
         "dtype": str(dtype).replace("torch.", ""),
         "shape": {"q_heads": args.q_heads, "kv_heads": args.kv_heads,
                   "head_dim": args.head_dim},
-        "density_budget": args.density, "method": args.method, "reps": reps,
+        "density_budget": args.density, "methods": args.methods, "reps": reps,
     }
     print(json.dumps(env))
     t_start = time.perf_counter()
     checks = check_correctness(args, device, dtype, configs)
     for tag, c in checks.items():
+        if "error" in c:
+            print(f"check [{tag}] FAILED: {c['error']}", flush=True)
+            continue
         print(f"check [{tag}] N={c['seq_len']}: density-1 vs SDPA max err "
               f"{c['max_abs_err_density1_vs_sdpa']:.2e}, sparse vs reference "
               f"{c['max_abs_err_sparse_vs_reference']:.2e} -> {'ok' if c['ok'] else 'FAIL'}",

@@ -93,7 +93,7 @@ def oracle_select_blocks(
     block_table: torch.Tensor | None,
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
-    config: BlockScoringConfig = BlockScoringConfig(),
+    config: BlockScoringConfig = BlockScoringConfig(),  # noqa: B008 (frozen, immutable)
     *,
     kv_start_loc: torch.Tensor | None = None,
     scale: float | None = None,

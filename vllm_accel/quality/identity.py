@@ -13,7 +13,8 @@ def compare(reference: list[list[int]], candidate: list[list[int]]) -> dict[str,
         if ref == cand:
             identical += 1
             continue
-        pos = next((i for i, (a, b) in enumerate(zip(ref, cand)) if a != b), min(len(ref), len(cand)))
+        pos = next((i for i, (a, b) in enumerate(zip(ref, cand)) if a != b),
+                   min(len(ref), len(cand)))
         first_divergence = pos if first_divergence < 0 else min(first_divergence, pos)
     return {"identical_fraction": identical / max(len(reference), 1),
             "first_divergence": first_divergence, "sequences": len(reference)}

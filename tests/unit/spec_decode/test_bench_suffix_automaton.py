@@ -13,7 +13,7 @@ about 1-2 us per call, more than the draft itself.
 from __future__ import annotations
 
 import random
-from functools import lru_cache
+from functools import cache
 
 import pytest
 
@@ -37,7 +37,7 @@ def impl_module(name: str):
     return IMPLS[name]
 
 
-@lru_cache(maxsize=None)
+@cache
 def synthetic_tokens(n: int, seed: int = 0, vocab: int = 32_000) -> tuple[int, ...]:
     rng = random.Random(seed)
     out: list[int] = []
@@ -94,7 +94,7 @@ def test_bench_decode_loop_10k(benchmark, impl_name):
     assert drafted > QUERIES // 10  # the stream repeats itself: drafts happen
 
 
-@lru_cache(maxsize=None)
+@cache
 def corpus_automaton(impl_name: str):
     sam = IMPLS[impl_name].SuffixAutomaton()
     sam.extend(synthetic_tokens(CONTEXT_TOKENS))
