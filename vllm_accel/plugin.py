@@ -6,8 +6,9 @@ vllm_accel is installed, whether or not the run uses a vllm_accel feature. So it
 
 * idempotent — a second call in the same process does nothing;
 * cheap — it registers names and installs two small patches; no model code, no kernels;
-* safe — on an unsupported vLLM version it logs one clear error and stays inert instead of
-  breaking unrelated vLLM runs (vLLM does not catch exceptions raised here);
+* safe — on an unsupported vLLM version, or when a runtime patch cannot be applied (e.g.
+  another plugin already replaced the same attribute), it logs one clear error and stays inert
+  instead of breaking unrelated vLLM runs (vLLM does not catch exceptions raised here);
 * switchable — ``VLLM_ACCEL_DISABLE=1`` turns it off entirely.
 """
 
@@ -60,11 +61,19 @@ def register() -> None:
 
     from vllm_accel._patches import apply_plugin_patches
     from vllm_accel.attention.registry import BACKENDS
+    from vllm_accel.patching import PatchError
 
+    try:
+        apply_plugin_patches(vllm.__version__, platform_is_cpu=current_platform.is_cpu())
+    except PatchError as exc:
+        # Without its patches the plugin cannot work, but it must not take down vLLM runs that
+        # do not use it: register nothing, say why (ACCEL_* names are then unknown to vLLM).
+        _state["inactive_reason"] = f"vllm_accel is inactive: {exc}"
+        logger.error(_state["inactive_reason"])
+        return
     for info in BACKENDS.values():
         if info.name not in AttentionBackendEnum.__members__:
             register_backend(info.name, info.class_path)
-    apply_plugin_patches(vllm.__version__, platform_is_cpu=current_platform.is_cpu())
 
 
 def inactive_reason() -> str | None:

@@ -79,3 +79,20 @@ def test_unsupported_vllm_version_leaves_plugin_inert_with_a_clear_message():
 
 def test_unsupported_version_message_is_none_for_the_supported_release():
     assert plugin.unsupported_version_message("0.32.0") is None
+
+
+def test_a_patch_conflict_leaves_the_plugin_inert_instead_of_crashing_vllm():
+    code = (
+        "from vllm.platforms.cpu import CpuPlatform\n"
+        "def other(cls, *a, **k): return 'other'\n"
+        "other.__module__ = 'another_plugin'\n"
+        "CpuPlatform.get_attn_backend_cls = classmethod(other)\n"
+        "from vllm_accel import plugin; plugin.register()\n"
+        "from vllm.v1.attention.backends.registry import AttentionBackendEnum as E\n"
+        "print('ACCEL_BASE' in E.__members__); print(plugin.inactive_reason())\n"
+    )
+    result = _run(code)
+    assert result.returncode == 0, result.stderr[-2000:]
+    registered, message = result.stdout.strip().splitlines()[-2:]
+    assert registered == "False"
+    assert "inactive" in message and "another_plugin" in message
