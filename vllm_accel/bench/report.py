@@ -17,35 +17,62 @@ def _fmt(value: Any, unit: str = "") -> str:
     return str(value)
 
 
+def _x(num: Any, den: Any) -> str:
+    return f"{num / den:.2f}x" if num is not None and den else ""
+
+
 def table(result: dict[str, Any]) -> str:
     base, accel = result["baseline"], result["accelerated"]
+    extra = result.get("extra_sides", {})
     rows = [("metric", "baseline", "accelerated", "ratio")]
     for n, b in base["by_prompt_length"].items():
         a = accel["by_prompt_length"][n]
         rows.append((f"TTFT @ {n} tok", _fmt(b["ttft_s"], "ms"), _fmt(a["ttft_s"], "ms"),
-                     f"{b['ttft_s'] / a['ttft_s']:.2f}x"))
+                     _x(b["ttft_s"], a["ttft_s"])))
+        if "attention_s" in b or "attention_s" in a:
+            rows.append((f"attention time @ {n} tok", _fmt(b.get("attention_s"), "ms"),
+                         _fmt(a.get("attention_s"), "ms"),
+                         _x(b.get("attention_s"), a.get("attention_s"))))
+            rows.append((f"density @ {n} tok", _fmt(b.get("density")), _fmt(a.get("density")),
+                         ""))
         rows.append((f"TPOT @ {n} tok", _fmt(b["tpot_s"], "ms"), _fmt(a["tpot_s"], "ms"),
-                     f"{b['tpot_s'] / a['tpot_s']:.2f}x"))
+                     _x(b["tpot_s"], a["tpot_s"])))
         rows.append((f"KV blocks @ {n} tok", _fmt(b["kv_blocks"]), _fmt(a["kv_blocks"]), ""))
     r = result["ratios"]
-    rows.append(("throughput (tok/s)", _fmt(base["throughput_tok_s"]),
-                 _fmt(accel["throughput_tok_s"]), f"{r['throughput_ratio']:.2f}x"))
+    if base.get("throughput_tok_s") is not None:
+        rows.append(("throughput (tok/s)", _fmt(base["throughput_tok_s"]),
+                     _fmt(accel["throughput_tok_s"]), _x(accel["throughput_tok_s"],
+                                                         base["throughput_tok_s"])))
     q = result["quality"]
-    rows.append(("needle accuracy", _fmt(q["needle_baseline"]), _fmt(q["needle_accelerated"]), ""))
+
+    def extra_note(key: str) -> str:
+        return "; ".join(f"{label}: {_fmt(q.get(f'{key}_{label}'))}" for label in extra)
+
+    if q.get("needle_baseline") is not None:
+        rows.append(("needle accuracy", _fmt(q["needle_baseline"]),
+                     _fmt(q["needle_accelerated"]), extra_note("needle")))
     for kind in ("multikey", "multivalue"):
         if f"{kind}_baseline" in q:
             rows.append((f"{kind} retrieval", _fmt(q[f"{kind}_baseline"]),
-                         _fmt(q[f"{kind}_accelerated"]), ""))
-    rows.append(("perplexity", _fmt(q["perplexity_baseline"]), _fmt(q["perplexity_accelerated"]),
-                 f"{q['perplexity_accelerated'] / q['perplexity_baseline'] - 1:+.1%}"))
-    rows.append(("greedy-identical outputs", "", f"{q['greedy_identity']:.0%}", ""))
+                         _fmt(q[f"{kind}_accelerated"]), extra_note(kind)))
+    if q.get("perplexity_baseline") is not None:
+        rows.append(("perplexity", _fmt(q["perplexity_baseline"]),
+                     _fmt(q["perplexity_accelerated"]),
+                     f"{q['perplexity_accelerated'] / q['perplexity_baseline'] - 1:+.1%}"))
+    if "greedy_identity" in q:
+        rows.append(("greedy-identical outputs", "", f"{q['greedy_identity']:.0%}", ""))
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     lines = [" | ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
     lines.insert(1, "-+-".join("-" * w for w in widths))
     head = (f"{result['feature']} on {result['model']} (vLLM {result['vllm_version']}, "
             f"{result['platform'].get('device', '?')}, {result['platform'].get('cpus', '?')} cpus)")
     summary = ", ".join(f"{k}={v:.3g}" for k, v in r.items() if isinstance(v, float))
-    return "\n".join([head, *lines, f"ratios: {summary}"])
+    lines = [head, *lines, f"ratios: {summary}"]
+    load = result.get("load_average", {})
+    if max(load.values(), default=0.0) > 0.5:
+        lines.append(f"warning: machine load average {load['before']:.1f} -> {load['after']:.1f} "
+                     f"during the run: timings are distorted (rerun on an idle machine)")
+    return "\n".join(lines)
 
 
 def write_json(result: dict[str, Any], path: str | Path) -> None:
@@ -64,15 +91,17 @@ def write_plot(result: dict[str, Any], path: str | Path) -> None:
     lengths = list(base["by_prompt_length"])
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     for ax, key, title in ((axes[0], "ttft_s", "TTFT (ms)"), (axes[1], "tpot_s", "TPOT (ms)")):
-        ax.plot(lengths, [base["by_prompt_length"][n][key] * 1e3 for n in lengths], "o-",
-                label="vLLM baseline")
-        ax.plot(lengths, [accel["by_prompt_length"][n][key] * 1e3 for n in lengths], "s-",
-                label=result["feature"])
+        for side, marker, label in ((base, "o-", "vLLM baseline"),
+                                    (accel, "s-", result["feature"])):
+            points = [(n, side["by_prompt_length"][n][key]) for n in lengths
+                      if side["by_prompt_length"][n][key] is not None]
+            ax.plot([n for n, _ in points], [v * 1e3 for _, v in points], marker, label=label)
         ax.set_xlabel("prompt tokens")
         ax.set_title(title)
         ax.legend()
     q = result["quality"]
-    names = [k[: -len("_baseline")] for k in q if k.endswith("_baseline") and "perplexity" not in k]
+    names = [k[: -len("_baseline")] for k in q
+             if k.endswith("_baseline") and "perplexity" not in k and q[k] is not None]
     x = range(len(names))
     axes[2].bar([i - 0.2 for i in x], [q[f"{n}_baseline"] for n in names], 0.4, label="baseline")
     axes[2].bar([i + 0.2 for i in x], [q[f"{n}_accelerated"] for n in names], 0.4,
