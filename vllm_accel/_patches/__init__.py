@@ -12,19 +12,38 @@ from vllm_accel.patching import RuntimePatch, apply
 
 def plugin_patches(platform_is_cpu: bool) -> list[RuntimePatch]:
     """Patches the general plugin applies in every vLLM process."""
-    from vllm_accel._patches import backend_enum_pickle, cpu_backend_selection
+    from vllm_accel._patches import (
+        backend_enum_pickle,
+        cpu_backend_selection,
+        kv_cache_dtype_backend,
+        kv_cache_dtype_names,
+    )
 
     patches = [backend_enum_pickle.PATCH]
     if platform_is_cpu:
         patches.append(cpu_backend_selection.PATCH)
+    # --kv-cache-dtype kivi_* (vllm_accel.kv_quant): the names, then their backend selection.
+    patches += [*kv_cache_dtype_names.PATCHES, kv_cache_dtype_backend.PATCH]
     return patches
+
+
+def on_demand_patches() -> list[RuntimePatch]:
+    """Patches applied by the feature that needs them, in the process that needs them.
+
+    ``proposer_input_batch`` targets ``GPUModelRunner``, whose module takes ~8 s to import:
+    applying it from the plugin would add that to every vLLM process (API server, engine
+    front-end), so ``SAMProposer`` applies it when the model runner builds it.
+    """
+    from vllm_accel._patches import proposer_input_batch
+
+    return [proposer_input_batch.PATCH]
 
 
 def all_patches() -> list[RuntimePatch]:
     """Every runtime patch shipped, including those applied only by the ``vllm-accel`` CLI."""
     from vllm_accel._patches import cli_version_lookup
 
-    return plugin_patches(platform_is_cpu=True) + [cli_version_lookup.PATCH]
+    return [*plugin_patches(platform_is_cpu=True), cli_version_lookup.PATCH, *on_demand_patches()]
 
 
 def apply_plugin_patches(vllm_version: str, platform_is_cpu: bool) -> None:

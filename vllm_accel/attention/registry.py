@@ -26,7 +26,33 @@ BACKENDS: dict[str, BackendInfo] = {
             "dense attention delegated to the platform's own backend; the base of the feature "
             "backends (and a check that the plugin plumbing is transparent)",
         ),
+        BackendInfo(
+            "ACCEL_SPARSE_PREFILL",
+            "vllm_accel.attention.sparse_prefill.backend.SparsePrefillBackend",
+            "block-sparse attention for prefills above a length threshold, vLLM's dense CPU "
+            "kernel for shorter prefills and decodes (CPU only; knobs: vllm_accel.sparse_prefill)",
+        ),
+        BackendInfo(
+            "ACCEL_KIVI_4BIT",
+            "vllm_accel.kv_quant.backend.Kivi4BitBackend",
+            "KIVI-style 4-bit KV cache (keys per channel, values per token); selected by "
+            "--kv-cache-dtype kivi_4bit (CPU)",
+        ),
+        BackendInfo(
+            "ACCEL_KIVI_2BIT",
+            "vllm_accel.kv_quant.backend.Kivi2BitBackend",
+            "KIVI-style 2-bit KV cache (keys per channel, values per token); selected by "
+            "--kv-cache-dtype kivi_2bit (CPU)",
+        ),
     )
+}
+
+# --kv-cache-dtype names vllm_accel adds to vLLM -> the backend that owns that page format.
+# With one of these dtypes and no --attention-backend, that backend is selected; another
+# explicit backend is an error (vllm_accel._patches.kv_cache_dtype_backend).
+KV_CACHE_DTYPE_BACKENDS: dict[str, str] = {
+    "kivi_4bit": "ACCEL_KIVI_4BIT",
+    "kivi_2bit": "ACCEL_KIVI_2BIT",
 }
 
 

@@ -12,8 +12,14 @@ Task kinds (``spec["tasks"]``, run in order after one warm-up request):
                     later tokens), the request's peak KV-cache blocks.
 * ``throughput``  — all prompts submitted at once: output tokens/s, total wall time.
 * ``generate``    — greedy; all prompts at once, or one at a time with ``"sequential": true``
-                    (identity checks); returns token ids and text.
+                    (identity checks); returns token ids, text and prompt tokens served from
+                    the prefix cache.
 * ``prompt_logprobs`` — per-token log-probabilities of each prompt (perplexity).
+
+Worker statistics: with ``spec["stats_file"]`` (a file an accelerated backend appends one JSON
+line per engine step to, e.g. the ``sparse_prefill.stats_path`` knob), each latency record gets
+the lines written while its request ran (``worker_stats``): the backend's own attention time
+and density, measured inside the worker process.
 
 Timing uses the engine's own step loop (``LLMEngine.step``) and ``time.perf_counter`` in this
 process, identically for every configuration.
@@ -28,13 +34,17 @@ import time
 from typing import Any
 
 _PEAK: dict[str, float] = {"kv_usage": 0.0}
+# Speculative-decoding totals since the engine started (SchedulerStats.spec_decoding_stats).
+_SPEC_KEYS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+_SPEC: dict[str, int] = dict.fromkeys(_SPEC_KEYS, 0)
 
 
 def _stat_logger_factory():
     from vllm.v1.metrics.loggers import StatLoggerBase
 
     class PeakKVUsage(StatLoggerBase):
-        """Records the highest KV-cache usage the scheduler reports between resets."""
+        """Records the highest KV-cache usage the scheduler reports between resets, and
+        totals speculative-decoding drafts and accepted tokens."""
 
         def __init__(self, vllm_config, engine_index: int = 0):
             pass
@@ -42,6 +52,10 @@ def _stat_logger_factory():
         def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
             if scheduler_stats is not None:
                 _PEAK["kv_usage"] = max(_PEAK["kv_usage"], scheduler_stats.kv_cache_usage)
+                spec = scheduler_stats.spec_decoding_stats
+                if spec is not None:
+                    for key in _SPEC_KEYS:
+                        _SPEC[key] += getattr(spec, key)
 
         def log_engine_initialized(self):
             pass
@@ -69,6 +83,7 @@ def _run(engine, prompts: list[list[int]], params) -> tuple[dict[str, dict[str, 
             if out.finished:
                 rec["token_ids"] = list(completion.token_ids)
                 rec["text"] = completion.text
+                rec["num_cached_tokens"] = getattr(out, "num_cached_tokens", None)
                 if out.prompt_logprobs is not None:
                     rec["prompt_logprobs"] = [
                         None if entry is None else entry[tok].logprob
@@ -77,13 +92,38 @@ def _run(engine, prompts: list[list[int]], params) -> tuple[dict[str, dict[str, 
     return records, time.perf_counter() - start
 
 
-def _latency(engine, prompts, max_tokens, num_blocks) -> list[dict[str, Any]]:
+class _StatsTail:
+    """The JSON lines appended to a worker statistics file since the last read."""
+
+    def __init__(self, path: str | None):
+        self.path, self.offset = path, 0
+
+    def skip(self) -> None:
+        if self.path and os.path.exists(self.path):
+            self.offset = os.path.getsize(self.path)
+
+    def read_new(self) -> list[dict[str, Any]] | None:
+        if not self.path:
+            return None
+        if not os.path.exists(self.path):
+            return []
+        with open(self.path) as f:
+            f.seek(self.offset)
+            text = f.read()
+        self.offset += len(text.encode())
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def _latency(engine, prompts, max_tokens, num_blocks,
+             stats: _StatsTail | None = None) -> list[dict[str, Any]]:
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    stats = stats or _StatsTail(None)
     results = []
     for ids in prompts:
         _PEAK["kv_usage"] = 0.0
+        stats.skip()
         records, _ = _run(engine, [ids], params)
         rec = records["req-0"]
         times = rec["token_times"]
@@ -95,6 +135,9 @@ def _latency(engine, prompts, max_tokens, num_blocks) -> list[dict[str, Any]]:
             "kv_blocks": round(_PEAK["kv_usage"] * num_blocks),
             "token_ids": rec["token_ids"],
         })
+        worker_stats = stats.read_new()
+        if worker_stats is not None:
+            results[-1]["worker_stats"] = worker_stats
     return results
 
 
@@ -120,7 +163,9 @@ def _generate(engine, prompts, max_tokens, sequential: bool) -> list[dict[str, A
     for batch in batches:
         records, _ = _run(engine, batch, params)
         outputs += [{"token_ids": records[f"req-{i}"]["token_ids"],
-                     "text": records[f"req-{i}"]["text"]} for i in range(len(batch))]
+                     "text": records[f"req-{i}"]["text"],
+                     "num_cached_tokens": records[f"req-{i}"]["num_cached_tokens"]}
+                    for i in range(len(batch))]
     return outputs
 
 
@@ -163,13 +208,17 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
         "num_kv_blocks": cache.num_gpu_blocks,
         "block_size": cache.block_size,
         "tasks": {},
+        # Speculative decoding per task and in total (zeros without speculation).
+        "spec_decoding": {"by_task": {}},
     }
     warmup = spec["tasks"][0]["prompts"][0][:32] if spec["tasks"] else [1, 2, 3]
     _run(engine, [warmup], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     for task in spec["tasks"]:
         kind, name = task["kind"], task["name"]
+        spec_before = dict(_SPEC)
         if kind == "latency":
-            out = _latency(engine, task["prompts"], task["max_tokens"], cache.num_gpu_blocks)
+            out = _latency(engine, task["prompts"], task["max_tokens"], cache.num_gpu_blocks,
+                           _StatsTail(spec.get("stats_file")))
         elif kind == "throughput":
             out = _throughput(engine, task["prompts"], task["max_tokens"])
         elif kind == "generate":
@@ -180,6 +229,9 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
         else:
             raise ValueError(f"unknown task kind {kind!r}")
         result["tasks"][name] = out
+        result["spec_decoding"]["by_task"][name] = {k: _SPEC[k] - spec_before[k]
+                                                    for k in _SPEC_KEYS}
+    result["spec_decoding"]["total"] = dict(_SPEC)
     return result
 
 

@@ -6,8 +6,14 @@ plan, the wider sweep as the full plan). Engine settings are ``vllm.EngineArgs``
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from vllm_accel.bench import sparse_prefill
+
+#: Every task a plan can run (``vllm_accel.bench.workloads``), in run order.
+ALL_TASKS = ("latency", "throughput", "identity", "needle", "retrieval", "perplexity")
 
 
 @dataclass(frozen=True)
@@ -28,6 +34,12 @@ class BenchPlan:
     retrieval_samples: int = 2
     ppl_windows: int = 4
     ppl_window_tokens: int = 512
+    #: The tasks to run (a subset of ``ALL_TASKS``); metrics of skipped tasks are reported as
+    #: missing, not as zero.
+    tasks: tuple[str, ...] = ALL_TASKS
+    retrieval_kinds: tuple[str, ...] = ("multikey", "multivalue")
+    #: Also run the feature's extra quality-only sides (``FeatureBench.extra_sides``).
+    extra_sides: bool = False
 
 
 @dataclass(frozen=True)
@@ -40,6 +52,13 @@ class FeatureBench:
     quick: BenchPlan = BenchPlan()
     full: BenchPlan = BenchPlan()
     lossless: bool = False  # greedy output must be token-identical to the baseline
+    #: Config section whose ``stats_path`` knob makes the backend append one JSON line per
+    #: engine step (attention time, density); the harness gives each side its own file and
+    #: reports the attention time and density of each latency request.
+    stats_section: str | None = None
+    #: ``(plan, accelerated side summary) -> {label: engine settings}``: more sides that run
+    #: only the quality tasks, after the accelerated side (e.g. an oracle at the same density).
+    extra_sides: Callable[[BenchPlan, dict[str, Any]], dict[str, dict[str, Any]]] | None = None
 
 
 FEATURES: dict[str, FeatureBench] = {
@@ -62,6 +81,28 @@ FEATURES: dict[str, FeatureBench] = {
                 retrieval_lengths=(1024, 2048, 4096),
                 retrieval_samples=5,
                 ppl_windows=16,
+            ),
+        ),
+        FeatureBench(
+            name="sparse-prefill",
+            summary="ACCEL_SPARSE_PREFILL (block-sparse attention for long prefills) vs dense "
+            "attention through vLLM's CPU kernel (method=dense), same engine settings",
+            model="qwen2.5-coder-0.5b-instruct",
+            baseline=sparse_prefill.engine_extra(method="dense"),
+            accelerated=sparse_prefill.engine_extra(),
+            stats_section=sparse_prefill.SECTION,
+            extra_sides=sparse_prefill.oracle_at_same_density,
+            # one 16K prompt per side: a dense 16K prefill alone takes ~5.5 min on 2 cores
+            quick=BenchPlan(prompt_lengths=(16384,), output_tokens=8, tasks=("latency",)),
+            full=BenchPlan(
+                prompt_lengths=(4096, 8192, 16384, 32000),
+                output_tokens=16,
+                tasks=("latency", "needle", "retrieval"),
+                needle_lengths=(4096, 8192, 16384, 32000),
+                retrieval_lengths=(8192, 16384, 32000),
+                retrieval_kinds=("multikey", "multivalue"),
+                retrieval_samples=5,
+                extra_sides=True,
             ),
         ),
     )

@@ -34,11 +34,13 @@ def build(tokenizer, plan: BenchPlan, seed: int = 0) -> Workloads:
                 for _ in range(plan.identity_prompts)]
     needles = needle.build_cases(tokenizer, list(plan.needle_lengths), list(plan.needle_depths),
                                  seed=seed)
-    retrievals = (
-        retrieval.build_multikey(tokenizer, list(plan.retrieval_lengths), plan.retrieval_samples)
-        + retrieval.build_multivalue(tokenizer, list(plan.retrieval_lengths),
-                                     plan.retrieval_samples)
-    )
+    retrievals = []
+    if "multikey" in plan.retrieval_kinds:
+        retrievals += retrieval.build_multikey(tokenizer, list(plan.retrieval_lengths),
+                                               plan.retrieval_samples)
+    if "multivalue" in plan.retrieval_kinds:
+        retrievals += retrieval.build_multivalue(tokenizer, list(plan.retrieval_lengths),
+                                                 plan.retrieval_samples)
     windows = perplexity.build_windows(tokenizer, plan.ppl_window_tokens, plan.ppl_windows)
     tasks = [
         {"kind": "latency", "name": "latency", "prompts": latency,
@@ -53,5 +55,10 @@ def build(tokenizer, plan: BenchPlan, seed: int = 0) -> Workloads:
          "max_tokens": 40},
         {"kind": "prompt_logprobs", "name": "perplexity", "prompts": windows},
     ]
+    tasks = [t for t in tasks if t["name"] in plan.tasks and t["prompts"]]
+    if "needle" not in plan.tasks:
+        needles = []
+    if "retrieval" not in plan.tasks:
+        retrievals = []
     longest = max(len(p) + t.get("max_tokens", 1) for t in tasks for p in t["prompts"])
     return Workloads(tasks, needles, retrievals, max_model_len=longest + 16)

@@ -1,0 +1,34 @@
+"""Knobs of the quantized KV cache: defaults, validation messages, environment override."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_accel.config import AccelConfigError
+from vllm_accel.kv_quant.config import KvQuantKnobs, load_knobs
+
+
+def test_defaults():
+    knobs = load_knobs(None)
+    assert knobs == KvQuantKnobs(kernel="auto", residual="page")
+
+
+def test_json_and_env(monkeypatch):
+    assert load_knobs({"vllm_accel": {"kv_quant": {"kernel": "torch"}}}).kernel == "torch"
+    monkeypatch.setenv("VLLM_ACCEL_KV_QUANT_KERNEL", "triton")
+    assert load_knobs({"vllm_accel": {"kv_quant": {"kernel": "torch"}}}).kernel == "triton"
+
+
+def test_bad_kernel_names_the_knob():
+    with pytest.raises(AccelConfigError, match=r"vllm_accel\.kv_quant\.kernel='cuda'.*auto"):
+        load_knobs({"vllm_accel": {"kv_quant": {"kernel": "cuda"}}})
+
+
+def test_tail_residual_is_refused_with_the_reason():
+    with pytest.raises(AccelConfigError, match=r"kv_quant\.residual='tail'.*not wired.*page"):
+        load_knobs({"vllm_accel": {"kv_quant": {"residual": "tail"}}})
+
+
+def test_unknown_key_is_refused():
+    with pytest.raises(AccelConfigError, match=r"unknown key.*bits"):
+        load_knobs({"vllm_accel": {"kv_quant": {"bits": 3}}})

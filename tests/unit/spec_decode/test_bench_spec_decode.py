@@ -1,0 +1,64 @@
+"""The spec-decode benchmark's bookkeeping (no engine): metrics, ratios, table, CLI errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vllm_accel import cli
+from vllm_accel.bench import spec_decode
+from vllm_accel.bench.spec_workloads import Workload
+
+
+def _result(tpot: float, accepted: int, drafts: int, drafted: int, tokens=(1, 2, 3, 4, 5)):
+    records = [{"output_tokens": 5, "ttft_s": 0.5, "tpot_s": tpot, "token_ids": list(tokens)}
+               for _ in range(2)]
+    spec = {"num_drafts": drafts, "num_draft_tokens": drafted, "num_accepted_tokens": accepted}
+    return {"vllm_version": "0.32.0", "platform": {"device": "cpu", "cpus": 2},
+            "tasks": {"code_edit": records, "open_chat": records},
+            "spec_decoding": {"by_task": {"code_edit": spec, "open_chat": spec}}}
+
+
+def test_metrics_ratios_and_table(tmp_path):
+    workloads = [Workload("code_edit", [[1]], True), Workload("open_chat", [[1]], False)]
+    raw = {"no_spec": [_result(0.1, 0, 0, 0)],
+           "ngram": [_result(0.05, 4, 2, 8)],
+           "sam": [_result(0.04, 6, 2, 6, tokens=(1, 2, 3, 4, 9))]}
+    table, ratios = spec_decode.compare(raw, workloads, eos_ids=frozenset({9}))
+    sam = table["code_edit"]["sam"]
+    assert sam["mean_accepted_length"] == 4.0 and sam["acceptance_rate"] == 1.0
+    assert sam["tokens_per_step"] == 8 / 2  # 8 decoded tokens in 2 steps
+    assert sam["tpot_s"] == pytest.approx(0.04)
+    assert sam["greedy_identical"] == 0.0 and sam["ended_before_limit"] == 1.0
+    assert table["code_edit"]["no_spec"]["mean_accepted_length"] is None
+    assert ratios["decode_speedup"]["code_edit"] == pytest.approx(2.5)
+    assert ratios["decode_speedup_vs_ngram"] == {"code_edit": pytest.approx(1.25)}
+    assert ratios["open_chat_slowdown"] == pytest.approx(-1.5)
+    result = {"model": "m", "vllm_version": "0.32.0", "platform": raw["no_spec"][0]["platform"],
+              "config": {"plan": {"num_speculative_tokens": 8, "prompts_per_workload": 1,
+                                  "max_tokens": 5, "rounds": 1}},
+              "workloads": table, "ratios": ratios, "notes": [spec_decode.SUFFIX_NOTE]}
+    text = spec_decode.table(result)
+    assert "code_edit" in text and "2.50x" in text and "arctic-inference" in text
+    pytest.importorskip("matplotlib")
+    spec_decode.write_plot(result, tmp_path / "p.png")
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+    json.dumps(result)
+
+
+def test_configs_compare_like_with_like():
+    c = spec_decode.configs(6, {"min_match": 4})
+    assert c["no_spec"] == {}
+    assert c["ngram"]["speculative_config"]["num_speculative_tokens"] == 6
+    assert c["sam"]["speculative_config"] == {
+        "method": "custom_class", "model": "vllm_accel.spec_decode.SAMProposer",
+        "num_speculative_tokens": 6}
+    assert c["sam"]["additional_config"] == {"vllm_accel": {"spec_decode": {"min_match": 4}}}
+    assert spec_decode.bench_dtype("bfloat16") == "bfloat16"
+
+
+def test_bench_spec_decode_unknown_model(capsys):
+    assert cli.main(["bench", "spec-decode", "--model", "nope"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "unknown model 'nope'" in err
