@@ -34,11 +34,21 @@ def _fetch_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _model_dir_and_name(model: str) -> tuple[str, str]:
+    """A model directory as given, or a catalogue name fetched (cached) into its directory."""
+    from vllm_accel.models import fetch_model, get_spec
+
+    if Path(model).is_dir():
+        return model, Path(model).name
+    name = get_spec(model).name  # UnknownModelError names the choices
+    return str(fetch_model(name)), name
+
+
 def _bench(args: argparse.Namespace) -> int:
     from vllm_accel.bench.features import FEATURES
     from vllm_accel.bench.harness import BenchError, run_feature
     from vllm_accel.bench.report import table, write_json, write_plot
-    from vllm_accel.models import UnknownModelError, fetch_model, get_spec
+    from vllm_accel.models import UnknownModelError
 
     if args.feature == "spec-decode":
         return _bench_spec_decode(args)
@@ -47,16 +57,11 @@ def _bench(args: argparse.Namespace) -> int:
               f"{', '.join([*FEATURES, 'spec-decode'])}", file=sys.stderr)
         return 2
     feature = FEATURES[args.feature]
-    model = args.model or feature.model
-    if Path(model).is_dir():  # a local model directory
-        model_dir, model_name = model, Path(model).name
-    else:
-        try:
-            model_name = get_spec(model).name
-        except UnknownModelError as exc:
-            print(f"vllm-accel bench: {exc}", file=sys.stderr)
-            return 2
-        model_dir = str(fetch_model(model_name))
+    try:
+        model_dir, model_name = _model_dir_and_name(args.model or feature.model)
+    except UnknownModelError as exc:
+        print(f"vllm-accel bench: {exc}", file=sys.stderr)
+        return 2
     plan = feature.quick if args.quick else feature.full
     try:
         result = run_feature(feature, plan, model_dir, model_name, args.gpu_memory_utilization,
@@ -79,18 +84,13 @@ def _bench_spec_decode(args: argparse.Namespace) -> int:
     from vllm_accel.bench import spec_decode
     from vllm_accel.bench.harness import BenchError
     from vllm_accel.bench.report import write_json
-    from vllm_accel.models import QUALITY_MODEL, UnknownModelError, fetch_model, get_spec
+    from vllm_accel.models import QUALITY_MODEL, UnknownModelError
 
-    model = args.model or QUALITY_MODEL
-    if Path(model).is_dir():
-        model_dir, model_name = model, Path(model).name
-    else:
-        try:
-            model_name = get_spec(model).name
-        except UnknownModelError as exc:
-            print(f"vllm-accel bench: {exc}", file=sys.stderr)
-            return 2
-        model_dir = str(fetch_model(model_name))
+    try:
+        model_dir, model_name = _model_dir_and_name(args.model or QUALITY_MODEL)
+    except UnknownModelError as exc:
+        print(f"vllm-accel bench: {exc}", file=sys.stderr)
+        return 2
     plan = spec_decode.QUICK if args.quick else spec_decode.FULL
     try:
         result = spec_decode.run(model_dir, model_name, plan, args.gpu_memory_utilization,
