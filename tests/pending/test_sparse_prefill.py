@@ -39,18 +39,18 @@ def _stats(path: Path) -> list[dict]:
 
 def test_all_blocks_and_method_dense_match_default_backend(generate, tiny_llama, tmp_path):
     rng = random.Random(0)
-    prompts = [_ids(n, rng) for n in (90, 300, 700, 1500)]  # the first stays dense (< 128)
-    base, _ = generate("baseline", tiny_llama, prompts, 16, dtype="float32")
+    prompts = [_ids(n, rng) for n in (90, 300, 1500)]  # the first stays dense (< 128)
+    base, _ = generate("baseline", tiny_llama, prompts, 12, dtype="float32")
     stats = tmp_path / "all_blocks.jsonl"
-    sparse, log = generate("all_blocks", tiny_llama, prompts, 16, dtype="float32",
+    sparse, log = generate("all_blocks", tiny_llama, prompts, 12, dtype="float32",
                            **_sparse(stats, tau=None, density=1.0))
     assert "Using ACCEL_SPARSE_PREFILL backend on CPU" in log
     assert "first sparse prefill of this process" in log
     records = [r for r in _stats(stats) if r["sparse_tokens"]]
     assert records and all(r["density"] == pytest.approx(1.0) for r in records)
-    assert {r["sparse_max_seq_len"] for r in records} >= {300, 700}
+    assert {r["sparse_max_seq_len"] for r in records} >= {300, 1500}
     assert [o["token_ids"] for o in sparse] == [o["token_ids"] for o in base]
-    dense, log = generate("method_dense", tiny_llama, prompts, 16, dtype="float32",
+    dense, log = generate("method_dense", tiny_llama, prompts, 12, dtype="float32",
                           **_sparse(method="dense"))
     assert "method=dense" in log and "first sparse prefill" not in log
     assert [o["token_ids"] for o in dense] == [o["token_ids"] for o in base]

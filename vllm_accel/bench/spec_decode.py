@@ -19,7 +19,9 @@ configuration decodes the same number of tokens). Per workload and configuration
 * mean accepted length: vLLM's definition, 1 + accepted / drafts (tokens per verified draft);
 * acceptance rate: accepted / drafted tokens;
 * tokens per step: decoded tokens / decode steps (1.0 without speculation; counts the steps
-  where the proposer drafted nothing, so it compares proposers fairly);
+  where the proposer drafted nothing, so it compares proposers fairly). vLLM counts accepted
+  tokens past ``max_tokens`` too (then discarded), so on short runs the mean accepted length is
+  slightly flattering, and steps are estimated as max(decoded - accepted, drafts);
 * TPOT (mean gap between output tokens after the first) and output tok/s (end to end,
   prefill included);
 * greedy identity: the fraction of outputs token-identical to ``no_spec``.
@@ -119,7 +121,9 @@ def summarize_workload(records: list[dict[str, Any]], spec: dict[str, int],
         "num_accepted_tokens": accepted,
         "mean_accepted_length": 1 + accepted / drafts if drafts else None,
         "acceptance_rate": accepted / drafted if drafted else None,
-        "tokens_per_step": decoded / (decoded - accepted) if decoded > accepted else None,
+        # each verified draft is one step; tokens accepted past max_tokens are discarded but
+        # still counted by vLLM, hence the max()
+        "tokens_per_step": decoded / max(decoded - accepted, drafts, 1),
         # EOS is ignored so that every configuration decodes max_tokens; an answer that ended
         # before that continues past its end (often repetitively), which flatters speculation.
         "ended_before_limit": sum(any(t in eos_ids for t in r["token_ids"]) for r in records)
@@ -179,8 +183,11 @@ def run(model_dir: str, model_name: str, plan: SpecPlan, gpu_memory_utilization:
 
     tokenizer = load_tokenizer(model_dir)
     workloads = spec_workloads.build(tokenizer, plan.prompts_per_workload)
-    tasks = [{"kind": "latency", "name": w.name, "prompts": w.prompts,
-              "max_tokens": plan.max_tokens} for w in workloads]
+    # A short warm-up request first, so one-time costs (first drafts, JIT) hit no workload.
+    tasks = [{"kind": "latency", "name": "warmup", "prompts": [workloads[0].prompts[0]],
+              "max_tokens": 16}]
+    tasks += [{"kind": "latency", "name": w.name, "prompts": w.prompts,
+               "max_tokens": plan.max_tokens} for w in workloads]
     engines = {label: engine_settings(model_dir, plan.max_model_len, gpu_memory_utilization,
                                       {"dtype": bench_dtype(plan.dtype), **extra})
                for label, extra in configs(plan.num_speculative_tokens, sam_knobs).items()}

@@ -43,13 +43,13 @@ OPEN_CHAT = (  # long-form answers, so that no answer ends before the benchmark'
     "Describe in at least 800 words what a day in a medieval city might have been like.",
     "Write a long letter from a grandmother to her grandson who is leaving for university.",
 )
-RAG_QUESTIONS = (  # grounded answers that cite the document at length
+RAG_QUESTIONS = (  # grounded answers that cite the document (extractive summary, citations)
+    "Extract the five most important sentences of the document, word for word, as a numbered "
+    "list.",
     "Summarize the document above in ten bullet points. Each bullet quotes one key sentence "
     "of the document verbatim.",
     "Using only the document, list every piece of advice the author gives. For each one, "
     "quote the exact sentence from the document, then explain it in one sentence.",
-    "Rewrite the first paragraphs of the document in simpler English, keeping the author's "
-    "most important sentences verbatim in quotation marks.",
 )
 
 
