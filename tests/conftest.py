@@ -11,9 +11,6 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 
-# Written but not yet verified end to end: see tests/pending/README.md.
-collect_ignore = ["pending"]
-
 from vllm_accel.cpu_env import apply_cpu_thread_env  # noqa: E402
 
 apply_cpu_thread_env()

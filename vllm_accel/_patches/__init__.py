@@ -30,13 +30,15 @@ def plugin_patches(platform_is_cpu: bool) -> list[RuntimePatch]:
 def on_demand_patches() -> list[RuntimePatch]:
     """Patches applied by the feature that needs them, in the process that needs them.
 
-    ``proposer_input_batch`` targets ``GPUModelRunner``, whose module takes ~8 s to import:
-    applying it from the plugin would add that to every vLLM process (API server, engine
-    front-end), so ``SAMProposer`` applies it when the model runner builds it.
+    ``proposer_input_batch`` and ``proposer_target_logits`` target ``GPUModelRunner``, whose
+    module takes ~8 s to import: applying them from the plugin would add that to every vLLM
+    process (API server, engine front-end), so the proposers that need them apply them when
+    the model runner builds them (``SAMProposer``: the input batch; ``RecyclingProposer``: the
+    target's logits; ``HybridProposer``: both).
     """
-    from vllm_accel._patches import proposer_input_batch
+    from vllm_accel._patches import proposer_input_batch, proposer_target_logits
 
-    return [proposer_input_batch.PATCH]
+    return [proposer_input_batch.PATCH, proposer_target_logits.PATCH]
 
 
 def all_patches() -> list[RuntimePatch]:
