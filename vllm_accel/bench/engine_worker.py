@@ -133,6 +133,7 @@ def _latency(engine, prompts, max_tokens, num_blocks,
             "ttft_s": times[0] - rec["submit"],
             "tpot_s": (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None,
             "kv_blocks": round(_PEAK["kv_usage"] * num_blocks),
+            "kv_usage": _PEAK["kv_usage"],  # peak fraction of the KV cache (all groups)
             "token_ids": rec["token_ids"],
         })
         worker_stats = stats.read_new()
@@ -152,12 +153,14 @@ def _throughput(engine, prompts, max_tokens) -> dict[str, Any]:
             "output_tok_per_s": out_tokens / wall, "peak_kv_usage": _PEAK["kv_usage"]}
 
 
-def _generate(engine, prompts, max_tokens, sequential: bool) -> list[dict[str, Any]]:
+def _generate(engine, prompts, max_tokens, sequential: bool,
+              ignore_eos: bool = False) -> list[dict[str, Any]]:
     """Greedy generation. ``sequential`` runs each prompt alone: a batch's composition depends
-    on arrival timing and changes bf16 rounding, so token-identity checks run one at a time."""
+    on arrival timing and changes bf16 rounding, so token-identity checks run one at a time.
+    ``ignore_eos``: always ``max_tokens`` tokens (comparisons against an oracle)."""
     from vllm import SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
     batches = [[p] for p in prompts] if sequential else [prompts]
     outputs = []
     for batch in batches:
@@ -223,7 +226,7 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
             out = _throughput(engine, task["prompts"], task["max_tokens"])
         elif kind == "generate":
             out = _generate(engine, task["prompts"], task["max_tokens"],
-                            task.get("sequential", False))
+                            task.get("sequential", False), task.get("ignore_eos", False))
         elif kind == "prompt_logprobs":
             out = _prompt_logprobs(engine, task["prompts"])
         else:

@@ -6,6 +6,8 @@ plan, the wider sweep as the full plan). Engine settings are ``vllm.EngineArgs``
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -105,8 +107,58 @@ FEATURES: dict[str, FeatureBench] = {
                 extra_sides=True,
             ),
         ),
+        FeatureBench(
+            name="speed",
+            summary="ACCEL_SPEED (shallow prefill, deep decode; default cut 0.75) vs vLLM's own "
+            "CPU attention, same engine settings; float32 on both sides",
+            model="qwen2.5-coder-0.5b-instruct",
+            baseline={"dtype": "float32"},
+            accelerated={"attention_backend": "ACCEL_SPEED", "dtype": "float32"},
+            quick=BenchPlan(prompt_lengths=(8192,), output_tokens=32, tasks=("latency",)),
+            full=BenchPlan(
+                prompt_lengths=(2048, 8192, 16384),
+                output_tokens=64,
+                tasks=("latency", "needle", "retrieval"),
+                needle_lengths=(2048, 8192),
+                retrieval_lengths=(2048,),
+                retrieval_kinds=("multikey",),
+                retrieval_samples=3,
+            ),
+        ),
     )
 }
+
+
+def plan_with_overrides(plan: BenchPlan, settings: list[str]) -> BenchPlan:
+    """``plan`` with ``FIELD=VALUE`` settings applied (``bench --set``); lists comma-separated::
+
+        needle_lengths=4096,8192  tasks=latency,needle  retrieval_samples=3  extra_sides=false
+    """
+    hints = typing.get_type_hints(BenchPlan)
+    changes: dict[str, Any] = {}
+    for setting in settings:
+        name, sep, text = setting.partition("=")
+        if not sep or name not in hints:
+            raise ValueError(f"bench --set {setting!r}: expected FIELD=VALUE with FIELD one of "
+                             f"{', '.join(f.name for f in dataclasses.fields(BenchPlan))}")
+        hint = hints[name]
+        try:
+            if typing.get_origin(hint) is tuple:
+                item = typing.get_args(hint)[0]
+                changes[name] = tuple(item(v) for v in text.split(",") if v)
+            elif hint is bool:
+                if text.lower() not in ("true", "false"):
+                    raise ValueError(text)
+                changes[name] = text.lower() == "true"
+            else:
+                changes[name] = hint(text)
+        except ValueError:
+            raise ValueError(f"bench --set {setting!r}: {text!r} is not a {hint}") from None
+    unknown = set(changes.get("tasks", ())) - set(ALL_TASKS)
+    if unknown:
+        raise ValueError(f"bench --set tasks: unknown {sorted(unknown)}; choose from "
+                         f"{', '.join(ALL_TASKS)}")
+    return dataclasses.replace(plan, **changes)
 
 
 def get_feature(name: str) -> FeatureBench:

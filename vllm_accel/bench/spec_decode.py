@@ -1,13 +1,16 @@
-"""``vllm-accel bench spec-decode``: SAMProposer vs vLLM's ngram vs no speculation.
+"""``vllm-accel bench spec-decode``: vllm_accel's proposers vs vLLM's ngram vs no speculation.
 
-One run starts three engines in turn (each in its own process, see
+One run starts five engines in turn (each in its own process, see
 :func:`vllm_accel.bench.harness.run_side`) on the same prompts:
 
 * ``no_spec`` — plain decoding;
 * ``ngram``   — vLLM's prompt-lookup proposer
   (``{"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4,
   "prompt_lookup_min": 2}``);
-* ``sam``     — ``vllm_accel.spec_decode.SAMProposer`` with the same K and default knobs.
+* ``sam``       — ``vllm_accel.spec_decode.SAMProposer`` with the same K and default knobs;
+* ``recycling`` — ``vllm_accel.spec_decode.RecyclingProposer`` (token recycling), same K;
+* ``hybrid``    — ``vllm_accel.spec_decode.HybridProposer`` (SAM or recycling per request and
+  step, or no draft), same K.
 
 vLLM's ``suffix`` method is the closest upstream relative, but it needs the
 ``arctic-inference`` package, which has no binary wheel for this platform: not compared.
@@ -26,9 +29,11 @@ configuration decodes the same number of tokens). Per workload and configuration
   prefill included);
 * greedy identity: the fraction of outputs token-identical to ``no_spec``.
 
-``ratios.decode_speedup`` is TPOT(no_spec) / TPOT(sam) per workload and
-``ratios.decode_speedup_vs_ngram`` TPOT(ngram) / TPOT(sam) on the repetitive workloads; all
-ratios come from the same run (the machine's speed drifts between runs).
+``ratios.decode_speedup`` is TPOT(no_spec) / TPOT(best) per workload, where ``best`` is the
+vllm_accel proposer with the lowest TPOT on that workload (named in ``ratios.best_proposer``),
+and ``ratios.decode_speedup_vs_ngram`` TPOT(ngram) / TPOT(best) on the repetitive workloads;
+``ratios.decode_speedup_by_proposer`` has every proposer's own speedup. All ratios come from
+the same run (the machine's speed drifts between runs).
 """
 
 from __future__ import annotations
@@ -44,6 +49,10 @@ from vllm_accel.bench import spec_workloads
 from vllm_accel.bench.harness import engine_settings, run_side
 
 SAM_CLASS = "vllm_accel.spec_decode.SAMProposer"
+#: The vllm_accel proposers compared, by configuration label.
+PROPOSER_CLASSES = {"sam": SAM_CLASS,
+                    "recycling": "vllm_accel.spec_decode.RecyclingProposer",
+                    "hybrid": "vllm_accel.spec_decode.HybridProposer"}
 SUFFIX_NOTE = ("vLLM's `suffix` method is not compared: it needs arctic-inference, which has "
                "no binary wheel for this platform.")
 
@@ -87,17 +96,20 @@ FULL = SpecPlan(prompts_per_workload=6, max_tokens=192, rounds=2)
 
 
 def configs(k: int, sam_knobs: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
-    """Engine settings (EngineArgs fields) of each configuration."""
-    sam: dict[str, Any] = {"speculative_config": {
-        "method": "custom_class", "model": SAM_CLASS, "num_speculative_tokens": k}}
-    if sam_knobs:
-        sam["additional_config"] = {"vllm_accel": {"spec_decode": sam_knobs}}
-    return {
+    """Engine settings (EngineArgs fields) of each configuration. ``sam_knobs`` (the
+    ``spec_decode`` knobs) go to every vllm_accel proposer: they share the section."""
+    out: dict[str, dict[str, Any]] = {
         "no_spec": {},
         "ngram": {"speculative_config": {"method": "ngram", "num_speculative_tokens": k,
                                          "prompt_lookup_max": 4, "prompt_lookup_min": 2}},
-        "sam": sam,
     }
+    for label, cls in PROPOSER_CLASSES.items():
+        engine: dict[str, Any] = {"speculative_config": {
+            "method": "custom_class", "model": cls, "num_speculative_tokens": k}}
+        if sam_knobs:
+            engine["additional_config"] = {"vllm_accel": {"spec_decode": dict(sam_knobs)}}
+        out[label] = engine
+    return out
 
 
 def summarize_workload(records: list[dict[str, Any]], spec: dict[str, int],
@@ -159,14 +171,20 @@ def compare(raw: dict[str, list[dict[str, Any]]], workloads: list[spec_workloads
                                                 rounds[0]["tasks"][w.name])
             table[w.name][label] = row
     ratios: dict[str, Any] = {"decode_speedup": {}, "decode_speedup_vs_ngram": {},
-                              "ngram_decode_speedup": {}}
+                              "ngram_decode_speedup": {}, "best_proposer": {},
+                              "decode_speedup_by_proposer": {}}
     for w in workloads:
         rows = table[w.name]
-        base, ngram, sam = (rows[c]["tpot_s"] for c in ("no_spec", "ngram", "sam"))
-        ratios["decode_speedup"][w.name] = base / sam
+        base, ngram = rows["no_spec"]["tpot_s"], rows["ngram"]["tpot_s"]
+        ours = {label: rows[label]["tpot_s"] for label in PROPOSER_CLASSES if label in rows}
+        best = min(ours, key=lambda label: ours[label])
+        ratios["best_proposer"][w.name] = best
+        ratios["decode_speedup"][w.name] = base / ours[best]
         ratios["ngram_decode_speedup"][w.name] = base / ngram
+        for label, tpot in ours.items():
+            ratios["decode_speedup_by_proposer"].setdefault(label, {})[w.name] = base / tpot
         if w.repetitive:
-            ratios["decode_speedup_vs_ngram"][w.name] = ngram / sam
+            ratios["decode_speedup_vs_ngram"][w.name] = ngram / ours[best]
     rep = [w.name for w in workloads if w.repetitive]
     if rep:
         ratios["decode_speedup_repetitive_geomean"] = statistics.geometric_mean(
@@ -199,7 +217,8 @@ def run(model_dir: str, model_name: str, plan: SpecPlan, gpu_memory_utilization:
     table, ratios = compare(raw, workloads, _eos_ids(tokenizer, model_dir))
     return {
         "feature": "spec-decode",
-        "summary": "SAMProposer (suffix automata, model-free) vs vLLM ngram vs no speculation",
+        "summary": ("vllm_accel's model-free proposers (SAMProposer, RecyclingProposer, "
+                    "HybridProposer) vs vLLM ngram vs no speculation"),
         "model": model_name,
         "vllm_version": raw["no_spec"][0]["vllm_version"],
         "platform": raw["no_spec"][0].get("platform", {}),
@@ -263,14 +282,16 @@ def table(result: dict[str, Any]) -> str:
             f"{plan['max_tokens']} tokens per workload, batch 1, greedy, "
             f"{plan['rounds']} round(s)")
     r = result["ratios"]
+    best = r.get("best_proposer", {})
     ratio_lines = [
-        "decode speedup SAM vs no spec: " + ", ".join(
-            f"{k} {v:.2f}x" for k, v in r["decode_speedup"].items()),
-        "decode speedup SAM vs ngram:   " + ", ".join(
+        "decode speedup, best vllm_accel proposer vs no spec: " + ", ".join(
+            f"{k} {v:.2f}x ({best.get(k, 'sam')})" for k, v in r["decode_speedup"].items()),
+        "decode speedup, best vllm_accel proposer vs ngram:   " + ", ".join(
             f"{k} {v:.2f}x" for k, v in r["decode_speedup_vs_ngram"].items()),
     ]
     if "open_chat_slowdown" in r:
-        ratio_lines.append(f"open chat slowdown (SAM vs no spec): {r['open_chat_slowdown']:+.1%}")
+        ratio_lines.append(f"open chat slowdown (best vllm_accel proposer vs no spec): "
+                           f"{r['open_chat_slowdown']:+.1%}")
     return "\n".join([head, *lines, *ratio_lines, *result["notes"][:1]])
 
 
@@ -281,13 +302,17 @@ def write_plot(result: dict[str, Any], path: str | Path) -> None:
     import matplotlib.pyplot as plt
 
     names = list(result["workloads"])
+    first = result["workloads"][names[0]]
+    labels = [label for label in ("ngram", *PROPOSER_CLASSES) if label in first]
+    width = 0.8 / len(labels)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for offset, label in ((-0.2, "ngram"), (0.2, "sam")):
+    for j, label in enumerate(labels):
+        offset = (j - (len(labels) - 1) / 2) * width
         speedups = [result["workloads"][n]["no_spec"]["tpot_s"]
                     / result["workloads"][n][label]["tpot_s"] for n in names]
         steps = [result["workloads"][n][label]["tokens_per_step"] or 1.0 for n in names]
-        axes[0].bar([i + offset for i in range(len(names))], speedups, 0.4, label=label)
-        axes[1].bar([i + offset for i in range(len(names))], steps, 0.4, label=label)
+        axes[0].bar([i + offset for i in range(len(names))], speedups, width, label=label)
+        axes[1].bar([i + offset for i in range(len(names))], steps, width, label=label)
     for ax, title in ((axes[0], "decode speedup vs no speculation (TPOT)"),
                       (axes[1], "tokens per decode step")):
         ax.axhline(1.0, color="grey", lw=0.8)

@@ -196,7 +196,11 @@ def _model_tokenizer_identity(model_config: Any) -> datastore_mod.TokenizerIdent
 
 
 def _enable_batch_api() -> bool:
-    """Apply the proposer_input_batch runtime patch in this (model-runner) process."""
+    """Apply the proposer_input_batch runtime patch (and the CPU sampling fix) in this
+    (model-runner) process."""
+    from vllm_accel.spec_decode.runtime_patches import apply_sampling_fix
+
+    apply_sampling_fix("SAMProposer")
     try:
         import vllm
 

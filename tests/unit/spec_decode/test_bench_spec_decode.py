@@ -62,3 +62,33 @@ def test_bench_spec_decode_unknown_model(capsys):
     assert cli.main(["bench", "spec-decode", "--model", "nope"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "unknown model 'nope'" in err
+
+
+def test_headline_ratios_use_the_best_vllm_accel_proposer(tmp_path):
+    workloads = [Workload("code_edit", [[1]], True), Workload("open_chat", [[1]], False)]
+    raw = {"no_spec": [_result(0.1, 0, 0, 0)], "ngram": [_result(0.05, 4, 2, 8)],
+           "sam": [_result(0.04, 6, 2, 6)], "recycling": [_result(0.08, 2, 2, 4)],
+           "hybrid": [_result(0.025, 7, 2, 8)]}
+    table, ratios = spec_decode.compare(raw, workloads)
+    assert set(table["code_edit"]) == {"no_spec", "ngram", "sam", "recycling", "hybrid"}
+    assert ratios["best_proposer"] == {"code_edit": "hybrid", "open_chat": "hybrid"}
+    assert ratios["decode_speedup"]["code_edit"] == pytest.approx(4.0)
+    assert ratios["decode_speedup_vs_ngram"]["code_edit"] == pytest.approx(2.0)
+    assert ratios["decode_speedup_by_proposer"]["recycling"]["code_edit"] == pytest.approx(1.25)
+    assert ratios["decode_speedup_by_proposer"]["sam"]["open_chat"] == pytest.approx(2.5)
+    result = {"model": "m", "vllm_version": "0.32.0", "platform": raw["no_spec"][0]["platform"],
+              "config": {"plan": {"num_speculative_tokens": 8, "prompts_per_workload": 1,
+                                  "max_tokens": 5, "rounds": 1}},
+              "workloads": table, "ratios": ratios, "notes": [spec_decode.SUFFIX_NOTE]}
+    assert "4.00x (hybrid)" in spec_decode.table(result)
+    pytest.importorskip("matplotlib")
+    spec_decode.write_plot(result, tmp_path / "p.png")
+
+
+def test_every_vllm_accel_proposer_is_a_configuration():
+    c = spec_decode.configs(8)
+    for label, cls in (("recycling", "RecyclingProposer"), ("hybrid", "HybridProposer")):
+        assert c[label]["speculative_config"] == {
+            "method": "custom_class", "model": f"vllm_accel.spec_decode.{cls}",
+            "num_speculative_tokens": 8}
+        assert "additional_config" not in c[label]

@@ -1,0 +1,191 @@
+"""``ACCEL_SPEED``: the attention backend of SPEED (shallow prefill, deep decode) on CPU.
+
+One backend serves both KV-cache groups of a SPEED model (:mod:`vllm_accel.speed.model` gives
+the upper layers a :class:`~vllm_accel.speed.kv_spec.SpeedUpperSpec`, so vLLM makes them a
+group of their own with its own block table):
+
+* lower layers (a ``FullAttentionSpec`` group): vLLM's CPU builder and kernel, unchanged;
+* upper layers: :class:`SpeedMetadataBuilder` selects the step's *upper-active* tokens (anchors,
+  each request's last prompt token, decode tokens: ``kernels.speed_attention.upper_active``)
+  and describes them (:class:`SpeedUpperMetadata`); the model runs its upper layers on exactly
+  those rows (``SpeedUpperMetadata.rows``), and :class:`SpeedImpl` writes their K/V into the
+  upper group's pages (at their own slots: vLLM hands ``do_kv_cache_update`` one slot per
+  token of the step) and attends over the visible keys only
+  (``kernels.speed_attention.speed_upper_attention``). The pages between the anchor and the
+  last prompt token are never written nor read (the block manager maps them to the null
+  block).
+
+Per-request prompt lengths come from :mod:`vllm_accel.attention.step_requests` (runtime patch
+``attention_prompt_lens``, applied by the SPEED model in the worker).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from vllm.config import VllmConfig
+from vllm.forward_context import get_forward_context
+from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
+from vllm.v1.attention.backends.cpu_attn import (
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+    CPUAttentionMetadataBuilder,
+)
+
+from vllm_accel.attention import step_requests
+from vllm_accel.kernels.block_sparse_attention import kv_cache_views_cpu
+from vllm_accel.kernels.speed_attention import speed_upper_attention, upper_active
+from vllm_accel.speed.kv_spec import SpeedUpperSpec
+from vllm_accel.speed.registration import NAME
+
+
+class SpeedBackend(CPUAttentionBackend):
+    """SPEED on vLLM's CPU platform: dense lower layers, anchor + decode-only upper layers."""
+
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto"]
+
+    @staticmethod
+    def get_name() -> str:
+        return NAME
+
+    @staticmethod
+    def get_impl_cls() -> type[SpeedImpl]:
+        return SpeedImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[SpeedMetadataBuilder]:
+        return SpeedMetadataBuilder
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_non_causal(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+    @classmethod
+    def validate_configuration(cls, *args, **kwargs) -> list[str]:
+        from vllm.platforms import current_platform
+
+        reasons = list(super().validate_configuration(*args, **kwargs))
+        if not current_platform.is_cpu():
+            reasons.append(
+                f"{NAME} is wired for vLLM's CPU platform only in this release (the CUDA path "
+                f"is not written yet); drop --attention-backend {NAME} on "
+                f"{type(current_platform).__name__}")
+        return reasons
+
+
+@dataclass
+class SpeedUpperMetadata:
+    """The step's upper-active tokens, shared by every upper layer."""
+
+    num_actual_tokens: int  # upper-active tokens this step
+    rows: torch.Tensor  # long [n]: their rows among the step's tokens (the model gathers them)
+    query_start_loc: list[int]  # [R + 1] over the upper-active tokens
+    query_positions: torch.Tensor  # long [n]
+    seq_lens: list[int]  # [R] context + new tokens (absolute positions)
+    prompt_lens: list[int]  # [R]
+    block_table: torch.Tensor  # [R, max_pages] of the upper group
+    slot_mapping: torch.Tensor  # [n] where their K/V go
+    anchor_tokens: int
+
+
+def select_upper_tokens(cm: CommonAttentionMetadata, prompt_lens: torch.Tensor,
+                        anchor_tokens: int) -> SpeedUpperMetadata:
+    """Which of the step's tokens run the upper layers, and their attention metadata."""
+    num_reqs = cm.num_reqs
+    qsl = cm.query_start_loc_cpu[: num_reqs + 1].to(torch.long)
+    q_lens = qsl[1:] - qsl[:-1]
+    seq_lens = cm.seq_lens[:num_reqs].cpu().to(torch.long)
+    req_of_token = torch.repeat_interleave(torch.arange(num_reqs), q_lens)
+    first_pos = (seq_lens - q_lens)[req_of_token]
+    positions = first_pos + torch.arange(int(qsl[-1])) - qsl[:-1][req_of_token]
+    rows = upper_active(positions, prompt_lens[req_of_token], anchor_tokens).nonzero().squeeze(1)
+    counts = torch.bincount(req_of_token[rows], minlength=num_reqs)
+    upper_qsl = [0, *counts.cumsum(0).tolist()]
+    return SpeedUpperMetadata(
+        num_actual_tokens=int(rows.numel()),
+        rows=rows,
+        query_start_loc=upper_qsl,
+        query_positions=positions[rows],
+        seq_lens=seq_lens.tolist(),
+        prompt_lens=prompt_lens.tolist(),
+        block_table=cm.block_table_tensor[:num_reqs],
+        slot_mapping=cm.slot_mapping[rows.to(cm.slot_mapping.device)],
+        anchor_tokens=anchor_tokens,
+    )
+
+
+class SpeedMetadataBuilder(CPUAttentionMetadataBuilder):
+    """vLLM's CPU metadata for the lower group; :class:`SpeedUpperMetadata` for the upper."""
+
+    def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config: VllmConfig,
+                 device: torch.device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.upper = isinstance(kv_cache_spec, SpeedUpperSpec)
+        if self.upper:
+            self.anchor_tokens = kv_cache_spec.anchor_tokens
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False):
+        if not self.upper:
+            return super().build(common_prefix_len, common_attn_metadata, fast_build)
+        cm = common_attn_metadata
+        return select_upper_tokens(cm, step_requests.prompt_lens(cm.num_reqs),
+                                   self.anchor_tokens)
+
+
+class SpeedImpl(CPUAttentionBackendImpl):
+    """vLLM's CPU kernel in the lower layers; the visible-keys kernel in the upper layers."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        unsupported = [what for what, present in (
+            ("ALiBi", self.alibi_slopes is not None),
+            ("a sliding window", self.sliding_window != -1),
+            ("logits soft-capping", bool(self.logits_soft_cap)),
+            ("attention sinks", self.sinks is not None),
+            ("an fp8 KV cache", self.is_fp8_kv_cache),
+        ) if present]
+        if unsupported:
+            raise ValueError(
+                f"--attention-backend {NAME}: this model's attention uses "
+                f"{', '.join(unsupported)}, which SPEED's upper-layer attention does not "
+                f"implement. Drop --attention-backend {NAME} for this model.")
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        """vLLM calls this before ``forward`` with the group's slot mapping, one slot per token
+        of the step; an upper layer holds only the upper-active rows, whose slots are in its
+        metadata."""
+        metadata = get_forward_context().attn_metadata
+        meta = metadata.get(layer.layer_name) if isinstance(metadata, dict) else None
+        if isinstance(meta, SpeedUpperMetadata):
+            n = meta.num_actual_tokens
+            key, value, slot_mapping = key[:n], value[:n], meta.slot_mapping
+        super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale=None, output_block_scale=None) -> torch.Tensor:
+        if not isinstance(attn_metadata, SpeedUpperMetadata):  # lower layer, or warm-up
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                                   output_scale, output_block_scale)
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError(f"{NAME}: fused output quantization is not supported")
+        meta = attn_metadata
+        n = meta.num_actual_tokens
+        if n == 0:
+            return output
+        k_pages, v_pages = kv_cache_views_cpu(kv_cache, isa=layer.isa)
+        out = speed_upper_attention(query[:n], meta.query_positions, meta.query_start_loc,
+                                    k_pages, v_pages, meta.block_table, meta.seq_lens,
+                                    meta.prompt_lens, meta.anchor_tokens, self.scale)
+        output[:n].copy_(out.reshape(output[:n].shape))
+        return output
