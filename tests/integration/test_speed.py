@@ -97,3 +97,16 @@ def test_bad_cut_fails_at_start_up_naming_the_knob(run_greedy, tiny_llama, tmp_p
         run_greedy("bad", tiny_llama, [[5, 6, 7]], **_speed(cut=1.5))
     log = Path(tmp_path, "bad.log").read_text()
     assert "vllm_accel.speed.cut" in log
+
+
+@pytest.mark.real_model
+def test_real_model_matches_oracle(run_greedy, default_model):
+    """SmolLM2-135M (Llama architecture, 30 layers, cut 0.75 -> 23 lower layers)."""
+    from vllm_accel.quality.prompts import chat_ids, load_tokenizer
+
+    tok = load_tokenizer(default_model)
+    prompts = [chat_ids(tok, q) for q in ("What is the capital of France?",
+                                          "Write a Python function that adds two numbers.")]
+    outs, log = run_greedy("speed_real", default_model, prompts, **_speed())
+    assert "with 23 of 30 layers for prompt tokens" in log
+    assert outs == _oracle(default_model, prompts, MAX_TOKENS, 0.75, 1)

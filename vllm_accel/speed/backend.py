@@ -6,7 +6,7 @@ group of their own with its own block table):
 
 * lower layers (a ``FullAttentionSpec`` group): vLLM's CPU builder and kernel, unchanged;
 * upper layers: :class:`SpeedMetadataBuilder` selects the step's *upper-active* tokens (anchors,
-  each request's last prompt token, decode tokens: ``kernels.speed_attention.upper_active``)
+  each request's last prompt token, decode tokens: :mod:`vllm_accel.speed.rows`)
   and describes them (:class:`SpeedUpperMetadata`); the model runs its upper layers on exactly
   those rows (``SpeedUpperMetadata.rows``), and :class:`SpeedImpl` writes their K/V into the
   upper group's pages (at their own slots: vLLM hands ``do_kv_cache_update`` one slot per
@@ -36,9 +36,10 @@ from vllm.v1.attention.backends.cpu_attn import (
 
 from vllm_accel.attention import step_requests
 from vllm_accel.kernels.block_sparse_attention import kv_cache_views_cpu
-from vllm_accel.kernels.speed_attention import speed_upper_attention, upper_active
+from vllm_accel.kernels.speed_attention import speed_upper_attention
 from vllm_accel.speed.kv_spec import SpeedUpperSpec
 from vllm_accel.speed.registration import NAME
+from vllm_accel.speed.rows import select_upper_rows
 
 
 class SpeedBackend(CPUAttentionBackend):
@@ -106,15 +107,14 @@ def select_upper_tokens(cm: CommonAttentionMetadata, prompt_lens: torch.Tensor,
     q_lens = qsl[1:] - qsl[:-1]
     seq_lens = cm.seq_lens[:num_reqs].cpu().to(torch.long)
     req_of_token = torch.repeat_interleave(torch.arange(num_reqs), q_lens)
-    first_pos = (seq_lens - q_lens)[req_of_token]
-    positions = first_pos + torch.arange(int(qsl[-1])) - qsl[:-1][req_of_token]
-    rows = upper_active(positions, prompt_lens[req_of_token], anchor_tokens).nonzero().squeeze(1)
-    counts = torch.bincount(req_of_token[rows], minlength=num_reqs)
-    upper_qsl = [0, *counts.cumsum(0).tolist()]
+    positions = (seq_lens - q_lens)[req_of_token] + torch.arange(int(qsl[-1])) \
+        - qsl[:-1][req_of_token]
+    upper = select_upper_rows(positions, qsl, prompt_lens, anchor_tokens)
+    rows = upper.rows
     return SpeedUpperMetadata(
         num_actual_tokens=int(rows.numel()),
         rows=rows,
-        query_start_loc=upper_qsl,
+        query_start_loc=upper.query_start_loc.tolist(),
         query_positions=positions[rows],
         seq_lens=seq_lens.tolist(),
         prompt_lens=prompt_lens.tolist(),

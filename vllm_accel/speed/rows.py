@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_accel.kernels.speed_attention import upper_active
+
 
 @dataclass(frozen=True)
 class UpperRows:
@@ -44,8 +46,7 @@ def upper_row_mask(positions: torch.Tensor, query_start_loc: torch.Tensor,
     req = torch.bucketize(token_ids, query_start_loc[1:].to(token_ids.dtype), right=True)
     valid = req < prompt_lens.numel()
     req = req.clamp(max=max(prompt_lens.numel() - 1, 0))
-    last_prompt = prompt_lens.to(positions.dtype)[req] - 1
-    return valid & ((positions < anchor_tokens) | (positions >= last_prompt))
+    return valid & upper_active(positions, prompt_lens.to(positions.dtype)[req], anchor_tokens)
 
 
 def select_upper_rows(positions: torch.Tensor, query_start_loc: torch.Tensor,
