@@ -84,7 +84,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _bench_spec_decode(args: argparse.Namespace) -> int:
-    """``bench spec-decode``: no speculation vs vLLM ngram vs SAMProposer, same run."""
+    """``bench spec-decode``: no speculation vs vLLM ngram vs vllm_accel's proposers, same run."""
     from vllm_accel.bench import spec_decode
     from vllm_accel.bench.harness import BenchError
     from vllm_accel.bench.report import write_json
@@ -119,14 +119,17 @@ def _calibrate(args: argparse.Namespace) -> int:
     from vllm_accel.speed import calibrate
 
     try:
+        cuts = tuple(float(c) for c in args.cuts.split(","))
+    except ValueError:
+        cuts = ()
+    if not cuts or any(not 0 < c <= 1 for c in cuts):
+        print(f"vllm-accel calibrate: --cuts {args.cuts}: comma-separated fractions in (0, 1] "
+              f"expected", file=sys.stderr)
+        return 2
+    try:
         model_dir, _ = _model_dir_and_name(args.model or QUALITY_MODEL)
     except UnknownModelError as exc:
         print(f"vllm-accel calibrate: {exc}", file=sys.stderr)
-        return 2
-    cuts = tuple(float(c) for c in args.cuts.split(","))
-    if not cuts or any(not 0 < c <= 1 for c in cuts):
-        print(f"vllm-accel calibrate: --cuts {args.cuts}: fractions in (0, 1] expected",
-              file=sys.stderr)
         return 2
     plan = calibrate.CalibrationPlan(cuts=cuts, anchor_tokens=args.anchor_tokens)
     report = calibrate.calibrate(model_dir, plan)

@@ -37,7 +37,14 @@ def table(result: dict[str, Any]) -> str:
                          ""))
         rows.append((f"TPOT @ {n} tok", _fmt(b["tpot_s"], "ms"), _fmt(a["tpot_s"], "ms"),
                      _x(b["tpot_s"], a["tpot_s"])))
-        rows.append((f"KV blocks @ {n} tok", _fmt(b["kv_blocks"]), _fmt(a["kv_blocks"]), ""))
+        if b.get("kv_usage") is not None and a.get("kv_usage") is not None:
+            # peak share of the KV cache one request takes (comparable across KV-group layouts)
+            rows.append((f"KV cache use @ {n} tok", f"{b['kv_usage']:.1%}", f"{a['kv_usage']:.1%}",
+                         f"-{1 - a['kv_usage'] / b['kv_usage']:.0%}" if b["kv_usage"] else ""))
+            rows.append((f"max concurrent @ {n} tok", _fmt(b["max_concurrency"]),
+                         _fmt(a["max_concurrency"]), ""))
+        else:
+            rows.append((f"KV blocks @ {n} tok", _fmt(b["kv_blocks"]), _fmt(a["kv_blocks"]), ""))
     r = result["ratios"]
     if base.get("throughput_tok_s") is not None:
         rows.append(("throughput (tok/s)", _fmt(base["throughput_tok_s"]),
@@ -69,9 +76,11 @@ def table(result: dict[str, Any]) -> str:
     summary = ", ".join(f"{k}={v:.3g}" for k, v in r.items() if isinstance(v, float))
     lines = [head, *lines, f"ratios: {summary}"]
     load = result.get("load_average", {})
-    if max(load.values(), default=0.0) > 0.5:
-        lines.append(f"warning: machine load average {load['before']:.1f} -> {load['after']:.1f} "
-                     f"during the run: timings are distorted (rerun on an idle machine)")
+    # "after" includes the engines' own threads (≈ the core count); only "before" tells of
+    # other processes (the 1-minute average also remembers the last minute's work)
+    if load.get("before", 0.0) > 0.5:
+        lines.append(f"note: machine load average {load['before']:.1f} when the run started: if "
+                     f"other processes were running, timings are distorted (rerun idle)")
     return "\n".join(lines)
 
 

@@ -22,19 +22,15 @@ Per-request prompt lengths come from :mod:`vllm_accel.attention.step_requests` (
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 from vllm.config import VllmConfig
 from vllm.forward_context import get_forward_context
-from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
-from vllm.v1.attention.backends.cpu_attn import (
-    CPUAttentionBackend,
-    CPUAttentionBackendImpl,
-    CPUAttentionMetadataBuilder,
-)
+from vllm.v1.attention.backend import CommonAttentionMetadata
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, CPUAttentionMetadataBuilder
 
 from vllm_accel.attention import step_requests
+from vllm_accel.attention.cpu_feature import CpuFeatureBackend, refuse_unsupported_attention
 from vllm_accel.kernels.block_sparse_attention import kv_cache_views_cpu
 from vllm_accel.kernels.speed_attention import speed_upper_attention
 from vllm_accel.speed.kv_spec import SpeedUpperSpec
@@ -42,10 +38,8 @@ from vllm_accel.speed.registration import NAME
 from vllm_accel.speed.rows import select_upper_rows
 
 
-class SpeedBackend(CPUAttentionBackend):
+class SpeedBackend(CpuFeatureBackend):
     """SPEED on vLLM's CPU platform: dense lower layers, anchor + decode-only upper layers."""
-
-    supported_kv_cache_dtypes: ClassVar[list] = ["auto"]
 
     @staticmethod
     def get_name() -> str:
@@ -58,30 +52,6 @@ class SpeedBackend(CPUAttentionBackend):
     @staticmethod
     def get_builder_cls() -> type[SpeedMetadataBuilder]:
         return SpeedMetadataBuilder
-
-    @classmethod
-    def supports_sliding_window(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_non_causal(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_attn_type(cls, attn_type: str) -> bool:
-        return attn_type == AttentionType.DECODER
-
-    @classmethod
-    def validate_configuration(cls, *args, **kwargs) -> list[str]:
-        from vllm.platforms import current_platform
-
-        reasons = list(super().validate_configuration(*args, **kwargs))
-        if not current_platform.is_cpu():
-            reasons.append(
-                f"{NAME} is wired for vLLM's CPU platform only in this release (the CUDA path "
-                f"is not written yet); drop --attention-backend {NAME} on "
-                f"{type(current_platform).__name__}")
-        return reasons
 
 
 @dataclass
@@ -148,18 +118,7 @@ class SpeedImpl(CPUAttentionBackendImpl):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        unsupported = [what for what, present in (
-            ("ALiBi", self.alibi_slopes is not None),
-            ("a sliding window", self.sliding_window != -1),
-            ("logits soft-capping", bool(self.logits_soft_cap)),
-            ("attention sinks", self.sinks is not None),
-            ("an fp8 KV cache", self.is_fp8_kv_cache),
-        ) if present]
-        if unsupported:
-            raise ValueError(
-                f"--attention-backend {NAME}: this model's attention uses "
-                f"{', '.join(unsupported)}, which SPEED's upper-layer attention does not "
-                f"implement. Drop --attention-backend {NAME} for this model.")
+        refuse_unsupported_attention(self, NAME, "SPEED's upper-layer attention")
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         """vLLM calls this before ``forward`` with the group's slot mapping, one slot per token

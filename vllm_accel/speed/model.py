@@ -1,9 +1,9 @@
 """SPEED's model transform: prompt tokens skip the upper layers entirely.
 
 The plugin registers :class:`SpeedLlamaForCausalLM` and :class:`SpeedQwen2ForCausalLM` under
-vLLM's ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` architecture names (:mod:`.registration`). Constructing one without
-``--attention-backend ACCEL_SPEED`` returns vLLM's own class, untouched (``__new__``); with it,
-the model is vLLM's, with two changes:
+vLLM's ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` architecture names (:mod:`.registration`).
+Constructing one without ``--attention-backend ACCEL_SPEED`` returns vLLM's own class,
+untouched (``__new__``); with it, the model is vLLM's, with two changes:
 
 * ``forward`` runs the lower layers (``index < cut``) on every token, then gathers the rows the
   upper group's metadata names (``SpeedUpperMetadata.rows``: anchors, each request's last

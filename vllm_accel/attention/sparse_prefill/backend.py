@@ -35,15 +35,15 @@ from typing import ClassVar
 
 import torch
 from vllm.config import VllmConfig, get_current_vllm_config
-from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
+from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.attention.backends.cpu_attn import (
-    CPUAttentionBackend,
     CPUAttentionBackendImpl,
     CPUAttentionMetadata,
     CPUAttentionMetadataBuilder,
 )
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
+from vllm_accel.attention.cpu_feature import CpuFeatureBackend, refuse_unsupported_attention
 from vllm_accel.config import AccelConfigError, knob, load_section
 from vllm_accel.kernels.block_sparse_attention import (
     QueryBlocks,
@@ -79,10 +79,8 @@ def layer_index(layer_name: str) -> int | None:
 # --------------------------------------------------------------------------------------------
 
 
-class SparsePrefillBackend(CPUAttentionBackend):
+class SparsePrefillBackend(CpuFeatureBackend):
     """Block-sparse prefill for long prompts; vLLM's CPU attention for the rest."""
-
-    supported_kv_cache_dtypes: ClassVar[list] = ["auto"]
 
     @staticmethod
     def get_name() -> str:
@@ -95,31 +93,6 @@ class SparsePrefillBackend(CPUAttentionBackend):
     @staticmethod
     def get_builder_cls() -> type[SparsePrefillMetadataBuilder]:
         return SparsePrefillMetadataBuilder
-
-    @classmethod
-    def supports_sliding_window(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_non_causal(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_attn_type(cls, attn_type: str) -> bool:
-        return attn_type == AttentionType.DECODER
-
-    @classmethod
-    def validate_configuration(cls, *args, **kwargs) -> list[str]:
-        from vllm.platforms import current_platform
-
-        reasons = list(super().validate_configuration(*args, **kwargs))
-        if not current_platform.is_cpu():
-            reasons.append(
-                f"{NAME} is wired for vLLM's CPU platform only in this release: the CUDA path "
-                f"(FlashAttention pages + the Triton block-sparse kernel) is not wired yet; use "
-                f"--attention-backend ACCEL_BASE or drop the flag on "
-                f"{type(current_platform).__name__}")
-        return reasons
 
 
 # --------------------------------------------------------------------------------------------
@@ -330,19 +303,7 @@ class SparsePrefillImpl(CPUAttentionBackendImpl):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        unsupported = [what for what, present in (
-            ("ALiBi", self.alibi_slopes is not None),
-            ("a sliding window", self.sliding_window != -1),
-            ("logits soft-capping", bool(self.logits_soft_cap)),
-            ("attention sinks", self.sinks is not None),
-            ("an fp8 KV cache", self.is_fp8_kv_cache),
-            (f"attention type {self.attn_type}", self.attn_type != AttentionType.DECODER),
-        ) if present]
-        if unsupported:
-            raise ValueError(
-                f"--attention-backend {NAME}: this model's attention uses "
-                f"{', '.join(unsupported)}, which the block-sparse prefill kernel does not "
-                f"implement. Use --attention-backend ACCEL_BASE (or no flag) for this model.")
+        refuse_unsupported_attention(self, NAME, "the block-sparse prefill kernel")
         self.config: SparsePrefillConfig = load_section(
             SECTION, get_current_vllm_config().additional_config)
         self._layer_index: dict[str, int | None] = {}
