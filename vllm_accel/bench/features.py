@@ -112,8 +112,10 @@ FEATURES: dict[str, FeatureBench] = {
             summary="ACCEL_SPEED (shallow prefill, deep decode; default cut 0.75) vs vLLM's own "
             "CPU attention, same engine settings; float32 on both sides",
             model="qwen2.5-coder-0.5b-instruct",
-            baseline={"dtype": "float32"},
-            accelerated={"attention_backend": "ACCEL_SPEED", "dtype": "float32"},
+            # a fixed KV-cache size on both sides, so that peak usage fractions compare bytes
+            baseline={"dtype": "float32", "kv_cache_memory_bytes": 2 * 2**30},
+            accelerated={"attention_backend": "ACCEL_SPEED", "dtype": "float32",
+                         "kv_cache_memory_bytes": 2 * 2**30},
             quick=BenchPlan(prompt_lengths=(8192,), output_tokens=32, tasks=("latency",)),
             full=BenchPlan(
                 prompt_lengths=(2048, 8192, 16384),

@@ -123,9 +123,10 @@ def _ratio(num: float | None, den: float | None) -> float | None:
 
 
 def _kv_memory_reduction(b: dict[str, Any], a: dict[str, Any]) -> float:
-    """1 - accelerated / baseline KV memory of one request at its peak. Both sides get the same
-    KV-cache bytes (same engine settings) but not the same blocks when the accelerated side has
-    several KV-cache groups (SPEED), so peak usage fractions are compared, not block counts."""
+    """1 - accelerated / baseline KV memory of one request at its peak. With several KV-cache
+    groups (SPEED) a block holds fewer layers, so block counts do not compare; peak usage
+    fractions do when both sides have the same KV-cache bytes (set ``kv_cache_memory_bytes``
+    on both: vLLM-CPU otherwise sizes the cache from free memory, which varies by a few %)."""
     if b.get("kv_usage") and a.get("kv_usage") is not None:
         return 1.0 - a["kv_usage"] / b["kv_usage"]
     return 1.0 - a["kv_blocks"] / b["kv_blocks"] if b["kv_blocks"] else 0.0
