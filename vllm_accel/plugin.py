@@ -5,7 +5,9 @@ worker, the model-inspection subprocess), and in every vLLM run of an environmen
 vllm_accel is installed, whether or not the run uses a vllm_accel feature. So it must be:
 
 * idempotent — a second call in the same process does nothing;
-* cheap — it registers names and installs two small patches; no model code, no kernels;
+* cheap — it registers names (backends, SPEED's model classes and KV-cache spec) and installs
+  a few small patches; no model code, no kernels. Registering imports vLLM's model registry and
+  KV-cache manager modules, which every engine process imports anyway;
 * safe — on an unsupported vLLM version, or when a runtime patch cannot be applied (e.g.
   another plugin already replaced the same attribute), it logs one clear error and stays inert
   instead of breaking unrelated vLLM runs (vLLM does not catch exceptions raised here);
@@ -76,7 +78,11 @@ def register() -> None:
             register_backend(info.name, info.class_path)
     from vllm_accel.speed import registration as speed_registration
 
-    speed_registration.register()
+    try:
+        speed_registration.register()
+    except Exception as exc:  # never take vLLM down for one feature: say why it is missing
+        logger.error("vllm_accel: ACCEL_SPEED is unavailable in this process: cannot register "
+                     "its model classes / KV-cache spec (%s: %s)", type(exc).__name__, exc)
 
 
 def inactive_reason() -> str | None:

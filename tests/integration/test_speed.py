@@ -45,7 +45,7 @@ def _oracle(model_dir: str, prompts: list[list[int]], max_tokens: int, cut, anch
 
     from vllm_accel.speed.reference import speed_greedy
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.eval()
     return [speed_greedy(model, p, max_tokens, cut, anchor, eos_token_id=None) for p in prompts]
 

@@ -74,7 +74,7 @@ def calibrate(model_dir: str, plan: CalibrationPlan, log=print) -> dict[str, Any
     from vllm_accel.speed.reference import speed_continuation_logprobs, speed_greedy
 
     tokenizer = load_tokenizer(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     num_layers = len(model.model.layers)
     cases = needle.build_cases(tokenizer, [plan.needle_length], list(plan.needle_depths),
                                seed=plan.seed, needles_per_cell=plan.needles_per_depth)

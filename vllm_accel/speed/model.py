@@ -37,6 +37,7 @@ from vllm_accel.speed.registration import NAME, speed_selected
 
 logger = get_logger("speed")
 
+
 def _enable_prompt_lens() -> None:
     import vllm
 
