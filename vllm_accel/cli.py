@@ -86,16 +86,22 @@ def _bench(args: argparse.Namespace) -> int:
 def _bench_spec_decode(args: argparse.Namespace) -> int:
     """``bench spec-decode``: no speculation vs vLLM ngram vs vllm_accel's proposers, same run."""
     from vllm_accel.bench import spec_decode
+    from vllm_accel.bench.features import plan_with_overrides
     from vllm_accel.bench.harness import BenchError
     from vllm_accel.bench.report import write_json
     from vllm_accel.models import QUALITY_MODEL, UnknownModelError
 
     try:
+        plan = plan_with_overrides(spec_decode.QUICK if args.quick else spec_decode.FULL,
+                                   args.set)
+    except ValueError as exc:
+        print(f"vllm-accel {exc}", file=sys.stderr)
+        return 2
+    try:
         model_dir, model_name = _model_dir_and_name(args.model or QUALITY_MODEL)
     except UnknownModelError as exc:
         print(f"vllm-accel bench: {exc}", file=sys.stderr)
         return 2
-    plan = spec_decode.QUICK if args.quick else spec_decode.FULL
     try:
         result = spec_decode.run(model_dir, model_name, plan, args.gpu_memory_utilization,
                                  Path(args.log_dir))

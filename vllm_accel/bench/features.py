@@ -43,6 +43,13 @@ class BenchPlan:
     #: Also run the feature's extra quality-only sides (``FeatureBench.extra_sides``).
     extra_sides: bool = False
 
+    def check(self) -> None:
+        """Raise ValueError naming the field when a value is not one the harness knows."""
+        unknown = set(self.tasks) - set(ALL_TASKS)
+        if unknown:
+            raise ValueError(f"bench --set tasks: unknown {sorted(unknown)}; choose from "
+                             f"{', '.join(ALL_TASKS)}")
+
 
 @dataclass(frozen=True)
 class FeatureBench:
@@ -131,18 +138,19 @@ FEATURES: dict[str, FeatureBench] = {
 }
 
 
-def plan_with_overrides(plan: BenchPlan, settings: list[str]) -> BenchPlan:
-    """``plan`` with ``FIELD=VALUE`` settings applied (``bench --set``); lists comma-separated::
+def plan_with_overrides(plan: Any, settings: list[str]) -> Any:
+    """``plan`` (a frozen dataclass: :class:`BenchPlan`, or the spec-decode bench's plan) with
+    ``FIELD=VALUE`` settings applied (``bench --set``); lists comma-separated::
 
         needle_lengths=4096,8192  tasks=latency,needle  retrieval_samples=3  extra_sides=false
     """
-    hints = typing.get_type_hints(BenchPlan)
+    hints = typing.get_type_hints(type(plan))
     changes: dict[str, Any] = {}
     for setting in settings:
         name, sep, text = setting.partition("=")
         if not sep or name not in hints:
             raise ValueError(f"bench --set {setting!r}: expected FIELD=VALUE with FIELD one of "
-                             f"{', '.join(f.name for f in dataclasses.fields(BenchPlan))}")
+                             f"{', '.join(f.name for f in dataclasses.fields(plan))}")
         hint = hints[name]
         try:
             if typing.get_origin(hint) is tuple:
@@ -156,11 +164,11 @@ def plan_with_overrides(plan: BenchPlan, settings: list[str]) -> BenchPlan:
                 changes[name] = hint(text)
         except ValueError:
             raise ValueError(f"bench --set {setting!r}: {text!r} is not a {hint}") from None
-    unknown = set(changes.get("tasks", ())) - set(ALL_TASKS)
-    if unknown:
-        raise ValueError(f"bench --set tasks: unknown {sorted(unknown)}; choose from "
-                         f"{', '.join(ALL_TASKS)}")
-    return dataclasses.replace(plan, **changes)
+    new = dataclasses.replace(plan, **changes)
+    check = getattr(new, "check", None)
+    if check is not None:
+        check()
+    return new
 
 
 def get_feature(name: str) -> FeatureBench:

@@ -53,6 +53,7 @@ SAM_CLASS = "vllm_accel.spec_decode.SAMProposer"
 PROPOSER_CLASSES = {"sam": SAM_CLASS,
                     "recycling": "vllm_accel.spec_decode.RecyclingProposer",
                     "hybrid": "vllm_accel.spec_decode.HybridProposer"}
+ALL_CONFIGS = ("no_spec", "ngram", *PROPOSER_CLASSES)
 SUFFIX_NOTE = ("vLLM's `suffix` method is not compared: it needs arctic-inference, which has "
                "no binary wheel for this platform.")
 
@@ -69,6 +70,20 @@ class SpecPlan:
     #: "auto": the model's dtype where the CPU has bf16 instructions, else float32 (see
     #: :func:`bench_dtype`). Every configuration runs with the same dtype.
     dtype: str = "auto"
+    #: Configurations to run (``no_spec`` always runs: it is the baseline); empty: all.
+    configs: tuple[str, ...] = ()
+    workloads: tuple[str, ...] = spec_workloads.ALL_WORKLOADS
+
+    def check(self) -> None:
+        """Raise ValueError naming the field when a value is not one the bench knows."""
+        for name, given, known in (("configs", self.configs, ALL_CONFIGS),
+                                   ("workloads", self.workloads, spec_workloads.ALL_WORKLOADS)):
+            unknown = set(given) - set(known)
+            if unknown:
+                raise ValueError(f"bench --set {name}: unknown {sorted(unknown)}; choose from "
+                                 f"{', '.join(known)}")
+        if not self.workloads:
+            raise ValueError("bench --set workloads: name at least one workload")
 
 
 def bench_dtype(requested: str = "auto") -> str:
@@ -175,21 +190,25 @@ def compare(raw: dict[str, list[dict[str, Any]]], workloads: list[spec_workloads
                               "decode_speedup_by_proposer": {}}
     for w in workloads:
         rows = table[w.name]
-        base, ngram = rows["no_spec"]["tpot_s"], rows["ngram"]["tpot_s"]
+        base = rows["no_spec"]["tpot_s"]
+        ngram = rows["ngram"]["tpot_s"] if "ngram" in rows else None
         ours = {label: rows[label]["tpot_s"] for label in PROPOSER_CLASSES if label in rows}
+        if ngram is not None:
+            ratios["ngram_decode_speedup"][w.name] = base / ngram
+        if not ours:  # a run of vLLM's configurations only
+            continue
         best = min(ours, key=lambda label: ours[label])
         ratios["best_proposer"][w.name] = best
         ratios["decode_speedup"][w.name] = base / ours[best]
-        ratios["ngram_decode_speedup"][w.name] = base / ngram
         for label, tpot in ours.items():
             ratios["decode_speedup_by_proposer"].setdefault(label, {})[w.name] = base / tpot
-        if w.repetitive:
+        if w.repetitive and ngram is not None:
             ratios["decode_speedup_vs_ngram"][w.name] = ngram / ours[best]
-    rep = [w.name for w in workloads if w.repetitive]
+    rep = [w.name for w in workloads if w.repetitive and w.name in ratios["decode_speedup"]]
     if rep:
         ratios["decode_speedup_repetitive_geomean"] = statistics.geometric_mean(
             ratios["decode_speedup"][n] for n in rep)
-    if "open_chat" in table:
+    if "open_chat" in ratios["decode_speedup"]:
         ratios["open_chat_slowdown"] = 1 - ratios["decode_speedup"]["open_chat"]
     return table, ratios
 
@@ -200,7 +219,7 @@ def run(model_dir: str, model_name: str, plan: SpecPlan, gpu_memory_utilization:
     from vllm_accel.quality.prompts import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
-    workloads = spec_workloads.build(tokenizer, plan.prompts_per_workload)
+    workloads = spec_workloads.build(tokenizer, plan.prompts_per_workload, plan.workloads)
     # A short warm-up request first, so one-time costs (first drafts, JIT) hit no workload.
     tasks = [{"kind": "latency", "name": "warmup", "prompts": [workloads[0].prompts[0]],
               "max_tokens": 16}]
@@ -208,7 +227,8 @@ def run(model_dir: str, model_name: str, plan: SpecPlan, gpu_memory_utilization:
                "max_tokens": plan.max_tokens} for w in workloads]
     engines = {label: engine_settings(model_dir, plan.max_model_len, gpu_memory_utilization,
                                       {"dtype": bench_dtype(plan.dtype), **extra})
-               for label, extra in configs(plan.num_speculative_tokens, sam_knobs).items()}
+               for label, extra in configs(plan.num_speculative_tokens, sam_knobs).items()
+               if label == "no_spec" or not plan.configs or label in plan.configs}
     raw: dict[str, list[dict[str, Any]]] = {label: [] for label in engines}
     for r in range(plan.rounds):
         for label in (list(engines) if r % 2 == 0 else list(engines)[::-1]):

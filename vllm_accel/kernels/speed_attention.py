@@ -13,14 +13,28 @@ are not visible, and runs one batched ``scaled_dot_product_attention`` (GQA nati
 set is small (anchor + decoded tokens), so the gather is cheap; the cost does not grow with the
 prompt. :func:`speed_upper_attention_reference` is the per-token float64 definition.
 
-Pure torch; the page views come from ``block_sparse_attention.kv_cache_views_cpu`` (any object
-with ``index_select(0, pages) -> [n, page_size, H_kv, D]`` works, e.g. packed AMX pages).
+The torch path takes the page views of ``block_sparse_attention.kv_cache_views_cpu`` (any object
+with ``index_select(0, pages) -> [n, page_size, H_kv, D]`` works, e.g. packed AMX pages). The
+Triton path (:func:`_speed_upper_attention_triton`, CUDA, or CPU under ``TRITON_INTERPRET=1``)
+takes strided page views (e.g. vLLM's flash layout ``kv_cache[0]`` / ``kv_cache[1]``): one
+program per (query head, request) walks only the key blocks that can hold visible keys (the
+anchor block(s) and the blocks from ``P - 1`` on) with the usual online softmax, so it reads
+``O(anchor + decoded)`` keys, never the skipped prompt pages.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from vllm_accel.kernels._triton_utils import (
+    HAS_TRITON,
+    next_power_of_2,
+    tl,
+    triton,
+    triton_can_run_on,
+    triton_interpreter_enabled,
+)
 
 
 def upper_active(positions: torch.Tensor, prompt_lens: torch.Tensor,
@@ -52,8 +66,23 @@ def speed_upper_attention(
     prompt_lens: list[int],  # [R]
     anchor_tokens: int,
     scale: float,
+    backend: str = "auto",
 ) -> torch.Tensor:
-    """SPEED upper-layer attention for ``R`` requests; returns ``[T, H_q, D]``."""
+    """SPEED upper-layer attention for ``R`` requests; returns ``[T, H_q, D]``.
+
+    ``backend``: ``"auto"`` (Triton on CUDA, torch otherwise), ``"torch"`` or ``"triton"``.
+    """
+    if backend == "auto":
+        backend = "triton" if query.is_cuda and triton_can_run_on(query) else "torch"
+    if backend == "triton":
+        if not triton_can_run_on(query):
+            raise RuntimeError("Triton cannot run here (no triton, or CPU without "
+                               "TRITON_INTERPRET=1)")
+        return _speed_upper_attention_triton(query, query_positions, query_start_loc,
+                                             key_pages, value_pages, block_table, seq_lens,
+                                             prompt_lens, anchor_tokens, scale)
+    if backend != "torch":
+        raise ValueError(f"unknown backend {backend!r} (auto, torch, triton)")
     num_reqs = len(seq_lens)
     page_size = key_pages.shape[1]
     out = query.new_empty(query.shape)
@@ -110,6 +139,140 @@ def speed_upper_attention(
     keep = q_valid.reshape(-1)
     out.index_copy_(0, q_index.reshape(-1)[keep].to(device),
                     o[keep.to(device)].to(out.dtype))
+    return out
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _speed_key_block(
+        acc, l_i, m_i, q, q_pos, kb, K, V, bt_row, seq_len, anchor, tail, kv_head,
+        stride_kp, stride_kt, stride_kh, stride_kd,
+        stride_vp, stride_vt, stride_vh, stride_vd,
+        qk_scale,
+        PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        HEAD_DIM: tl.constexpr, DOT_F32: tl.constexpr,
+    ):
+        """Online-softmax update of one query tile with the visible keys of key block ``kb``."""
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        k_pos = kb * BLOCK_N + offs_n
+        visible = (k_pos < seq_len) & ((k_pos < anchor) | (k_pos >= tail))
+        # one page id per key: a block may span pages, and skipped pages are the null block
+        page = tl.load(bt_row + k_pos // PAGE_SIZE, mask=visible, other=0).to(tl.int64)
+        in_page = k_pos % PAGE_SIZE
+        d_ok = offs_d < HEAD_DIM
+        k = tl.load(K + kv_head * stride_kh + (page * stride_kp + in_page * stride_kt)[None, :]
+                    + offs_d[:, None] * stride_kd,
+                    mask=visible[None, :] & d_ok[:, None], other=0.0)
+        v = tl.load(V + kv_head * stride_vh + (page * stride_vp + in_page * stride_vt)[:, None]
+                    + offs_d[None, :] * stride_vd,
+                    mask=visible[:, None] & d_ok[None, :], other=0.0)
+        if DOT_F32:  # fp32 operands, or the interpreter (its bf16 tl.dot is wrong in triton 3.9)
+            qk = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
+        else:
+            qk = tl.dot(q, k)
+        qk = qk * qk_scale  # log2 domain
+        qk = tl.where(visible[None, :] & (k_pos[None, :] <= q_pos[:, None]), qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.math.exp2(qk - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if DOT_F32:
+            acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc)
+        return acc, l_i, m_new
+
+    @triton.jit
+    def _speed_upper_attention_kernel(
+        Q, K, V, O,  # noqa: E741 (the usual names of attention operands)
+        query_positions, query_start_loc, block_table, seq_lens, prompt_lens,
+        stride_qt, stride_qh, stride_qd,
+        stride_kp, stride_kt, stride_kh, stride_kd,
+        stride_vp, stride_vt, stride_vh, stride_vd,
+        stride_ot, stride_oh, stride_od,
+        stride_bt, anchor, qk_scale,
+        KV_GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_F32: tl.constexpr,
+    ):
+        head = tl.program_id(0)
+        req = tl.program_id(1)
+        q_start = tl.load(query_start_loc + req)
+        q_end = tl.load(query_start_loc + req + 1)
+        seq_len = tl.load(seq_lens + req)
+        tail = tl.maximum(tl.load(prompt_lens + req) - 1, 0)
+        kv_head = head // KV_GROUP
+        bt_row = block_table + req.to(tl.int64) * stride_bt
+        # key blocks that can hold a visible key: the anchor's, then those from P - 1 on
+        anchor_blocks = tl.cdiv(tl.minimum(anchor, seq_len), BLOCK_N)
+        tail_first = tl.maximum(tail // BLOCK_N, anchor_blocks)
+        tail_end = tl.cdiv(seq_len, BLOCK_N)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        for m0 in range(q_start, q_end, BLOCK_M):
+            rows = m0 + offs_m
+            row_ok = rows < q_end
+            q_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+            q = tl.load(Q + rows.to(tl.int64)[:, None] * stride_qt + head * stride_qh
+                        + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0)
+            q_pos = tl.load(query_positions + rows, mask=row_ok, other=0)
+            # finite start value: padding rows end with l_i == 0 instead of NaN
+            m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 1.0e30
+            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+            for kb in range(0, anchor_blocks):
+                acc, l_i, m_i = _speed_key_block(
+                    acc, l_i, m_i, q, q_pos, kb, K, V, bt_row, seq_len, anchor, tail, kv_head,
+                    stride_kp, stride_kt, stride_kh, stride_kd,
+                    stride_vp, stride_vt, stride_vh, stride_vd, qk_scale,
+                    PAGE_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, DOT_F32)
+            for kb in range(tail_first, tail_end):
+                acc, l_i, m_i = _speed_key_block(
+                    acc, l_i, m_i, q, q_pos, kb, K, V, bt_row, seq_len, anchor, tail, kv_head,
+                    stride_kp, stride_kt, stride_kh, stride_kd,
+                    stride_vp, stride_vt, stride_vh, stride_vd, qk_scale,
+                    PAGE_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, DOT_F32)
+            l_i = tl.where(l_i == 0.0, 1.0, l_i)
+            tl.store(O + rows.to(tl.int64)[:, None] * stride_ot + head * stride_oh
+                     + offs_d[None, :] * stride_od,
+                     (acc / l_i[:, None]).to(O.dtype.element_ty), mask=q_mask)
+
+
+def _speed_upper_attention_triton(query, query_positions, query_start_loc, key_pages,
+                                  value_pages, block_table, seq_lens, prompt_lens,
+                                  anchor_tokens, scale, block_m=16, block_n=32):
+    """Triton launch of :func:`speed_upper_attention` (strided ``[pages, page_size, H_kv, D]``
+    views; ``block_n`` keys per step, ``block_m`` query rows per tile, both powers of 2 >= 16)."""
+    if not (isinstance(key_pages, torch.Tensor) and isinstance(value_pages, torch.Tensor)):
+        raise TypeError("the Triton path needs strided K/V page views (packed CPU pages: torch)")
+    out = torch.empty_like(query)
+    num_reqs = len(seq_lens)
+    if query.shape[0] == 0 or num_reqs == 0:
+        return out
+    num_q_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads, page_size = key_pages.shape[2], key_pages.shape[1]
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads}")
+    device = query.device
+
+    def ints(values):
+        return torch.as_tensor(values, dtype=torch.int32).to(device)
+
+    table = block_table.to(device=device, dtype=torch.int32)
+    grid = (num_q_heads, num_reqs)
+    _speed_upper_attention_kernel[grid](
+        query, key_pages, value_pages, out,
+        ints(query_positions), ints(query_start_loc), table, ints(seq_lens), ints(prompt_lens),
+        *query.stride(), *key_pages.stride(), *value_pages.stride(), *out.stride(),
+        table.stride(0), int(anchor_tokens), scale * 1.4426950408889634,
+        KV_GROUP=num_q_heads // num_kv_heads, PAGE_SIZE=page_size,
+        BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=max(next_power_of_2(head_dim), 16), HEAD_DIM=head_dim,
+        DOT_F32=query.dtype == torch.float32 or triton_interpreter_enabled(),
+    )
     return out
 
 

@@ -92,3 +92,24 @@ def test_every_vllm_accel_proposer_is_a_configuration():
             "method": "custom_class", "model": f"vllm_accel.spec_decode.{cls}",
             "num_speculative_tokens": 8}
         assert "additional_config" not in c[label]
+
+
+def test_set_picks_configurations_and_workloads(capsys):
+    from vllm_accel.bench.features import plan_with_overrides
+
+    plan = plan_with_overrides(spec_decode.QUICK, ["configs=sam,hybrid", "workloads=open_chat",
+                                                   "rounds=2"])
+    assert (plan.configs, plan.workloads, plan.rounds) == (("sam", "hybrid"), ("open_chat",), 2)
+    with pytest.raises(ValueError, match="configs: unknown \\['eagle'\\]"):
+        plan_with_overrides(spec_decode.QUICK, ["configs=eagle"])
+    assert cli.main(["bench", "spec-decode", "--set", "workloads=chess"]) == 2
+    assert "workloads: unknown ['chess']" in capsys.readouterr().err
+
+
+def test_ratios_without_ngram():
+    workloads = [Workload("code_edit", [[1]], True), Workload("open_chat", [[1]], False)]
+    raw = {"no_spec": [_result(0.1, 0, 0, 0)], "hybrid": [_result(0.05, 7, 2, 8)]}
+    _, ratios = spec_decode.compare(raw, workloads)
+    assert ratios["decode_speedup"] == {"code_edit": pytest.approx(2.0),
+                                        "open_chat": pytest.approx(2.0)}
+    assert ratios["decode_speedup_vs_ngram"] == {} and ratios["ngram_decode_speedup"] == {}
