@@ -83,6 +83,28 @@ def test_chunked_prefill_batched_and_anchor_3_match_oracle(tiny_llama, tmp_path)
     assert [o["token_ids"] for o in result["tasks"]["out"]] == expected
 
 
+def test_prefix_caching_and_preemption_match_oracle(tiny_llama, tmp_path):
+    """Prefix caching on (repeated and shared-prefix prompts) and a KV cache so small that
+    decoding preempts requests (their recompute re-runs the prompt through SPEED): the same
+    tokens as the oracle, request by request."""
+    shared = _prompts(3, (190,))[0]
+    prompts = [shared, shared, shared[:150] + _prompts(4, (40,))[0], _prompts(5, (188,))[0]]
+    # 32-token blocks; vLLM splits the 3 lower layers into 3 one-layer KV groups of the size
+    # of the upper group: a 190-token prompt takes 3 x 6 lower blocks + the upper group's, and
+    # its decode crosses into a 7th block in every group. With 44 blocks two prompts run at
+    # once and their decodes do not fit (measured: 3 preemptions; 40 runs one at a time, 56
+    # never preempts).
+    engine = engine_settings(tiny_llama, 256, 0.2, {
+        **_speed(cut=0.75), "enable_prefix_caching": True, "block_size": 32,
+        "num_gpu_blocks_override": 44, "max_num_seqs": 4})
+    task = {"kind": "generate", "name": "out", "prompts": prompts, "max_tokens": MAX_TOKENS,
+            "ignore_eos": True}
+    result = run_side("prefix_preempt", engine, [task], timeout_s=900, log_dir=tmp_path)
+    assert result["events"]["out"]["preemptions"] > 0
+    expected = _oracle(tiny_llama, prompts, MAX_TOKENS, 0.75, 1)
+    assert [o["token_ids"] for o in result["tasks"]["out"]] == expected
+
+
 def test_cut_1_is_plain_vllm_and_a_real_cut_changes_output(run_greedy, tiny_llama):
     prompts = _prompts(2, (200,))
     base, _ = run_greedy("baseline", tiny_llama, prompts, dtype="float32")

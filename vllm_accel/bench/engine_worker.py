@@ -37,6 +37,10 @@ _PEAK: dict[str, float] = {"kv_usage": 0.0}
 # Speculative-decoding totals since the engine started (SchedulerStats.spec_decoding_stats).
 _SPEC_KEYS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 _SPEC: dict[str, int] = dict.fromkeys(_SPEC_KEYS, 0)
+# Scheduler events since the engine started: preempted requests, prefix-cache hit tokens,
+# the most requests running at once.
+_EVENT_KEYS = ("preemptions", "prefix_cache_hit_tokens", "max_running_reqs")
+_EVENTS: dict[str, int] = dict.fromkeys(_EVENT_KEYS, 0)
 
 
 def _stat_logger_factory():
@@ -44,7 +48,8 @@ def _stat_logger_factory():
 
     class PeakKVUsage(StatLoggerBase):
         """Records the highest KV-cache usage the scheduler reports between resets, and
-        totals speculative-decoding drafts and accepted tokens."""
+        totals speculative-decoding drafts and accepted tokens, preemptions and prefix-cache
+        hits."""
 
         def __init__(self, vllm_config, engine_index: int = 0):
             pass
@@ -56,6 +61,13 @@ def _stat_logger_factory():
                 if spec is not None:
                     for key in _SPEC_KEYS:
                         _SPEC[key] += getattr(spec, key)
+                _EVENTS["max_running_reqs"] = max(_EVENTS["max_running_reqs"],
+                                                  scheduler_stats.num_running_reqs)
+                prefix = scheduler_stats.prefix_cache_stats
+                if prefix is not None:
+                    _EVENTS["prefix_cache_hit_tokens"] += prefix.hits
+            if iteration_stats is not None:
+                _EVENTS["preemptions"] += iteration_stats.num_preempted_reqs
 
         def log_engine_initialized(self):
             pass
@@ -213,12 +225,15 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
         "tasks": {},
         # Speculative decoding per task and in total (zeros without speculation).
         "spec_decoding": {"by_task": {}},
+        # Preemptions and prefix-cache hit tokens per task.
+        "events": {},
     }
     warmup = spec["tasks"][0]["prompts"][0][:32] if spec["tasks"] else [1, 2, 3]
     _run(engine, [warmup], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     for task in spec["tasks"]:
         kind, name = task["kind"], task["name"]
-        spec_before = dict(_SPEC)
+        spec_before, events_before = dict(_SPEC), dict(_EVENTS)
+        _EVENTS["max_running_reqs"] = 0
         if kind == "latency":
             out = _latency(engine, task["prompts"], task["max_tokens"], cache.num_gpu_blocks,
                            _StatsTail(spec.get("stats_file")))
@@ -234,6 +249,8 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
         result["tasks"][name] = out
         result["spec_decoding"]["by_task"][name] = {k: _SPEC[k] - spec_before[k]
                                                     for k in _SPEC_KEYS}
+        result["events"][name] = {k: _EVENTS[k] - events_before[k] for k in _EVENT_KEYS}
+        result["events"][name]["max_running_reqs"] = _EVENTS["max_running_reqs"]
     result["spec_decoding"]["total"] = dict(_SPEC)
     return result
 
