@@ -184,7 +184,7 @@ def _datastore(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    args.feature, args.quick, args.model = "base", True, None
+    args.feature, args.quick, args.model, args.set = "base", True, None, []
     return _bench(args)
 
 

@@ -62,3 +62,22 @@ def test_report_renders_table_json_and_plot(tmp_path):
     pytest.importorskip("matplotlib")
     report.write_plot(result, tmp_path / "r.png")
     assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_demo_runs_the_quick_base_bench(monkeypatch, tmp_path):
+    """`make demo` = `vllm-accel demo`: the quick plan of the base feature, default model."""
+    from vllm_accel.bench import harness
+
+    seen = {}
+
+    def fake_run_feature(feature, plan, model_dir, model_name, *args):
+        seen.update(feature=feature.name, plan=plan, model=model_name)
+        raise harness.BenchError("stop here")
+
+    monkeypatch.setattr(cli, "_model_dir_and_name", lambda model: ("/m", model))
+    monkeypatch.setattr(harness, "run_feature", fake_run_feature)
+    assert cli.main(["demo", "--json", str(tmp_path / "d.json")]) == 1
+    from vllm_accel.bench.features import FEATURES
+
+    assert seen == {"feature": "base", "plan": FEATURES["base"].quick,
+                    "model": FEATURES["base"].model}
