@@ -1,0 +1,115 @@
+"""Perplexity of the KIVI formats by fake quantization in HF transformers (no vLLM).
+
+Every attention layer sees its post-RoPE keys and values passed through
+``kivi_format.fake_quant_kv`` (exactly what the paged cache returns for a single-chunk prefill:
+complete key groups quantized per channel, the unfinished group in full precision, values per
+token).  Windows are the same held-out windows as ``vllm_accel.quality.perplexity``.
+
+    flock /tmp/cpu.lock .venv/bin/python benchmarks/kivi_fakequant_hf.py \
+        --model ~/.cache/vllm-accel/models/qwen2.5-coder-0.5b-instruct --window 1024 --count 2
+
+``--dump DIR`` saves q/k/v of every layer for the first window (for kernel-level checks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+
+MODE = {"fmt": "bf16", "key_group": None, "dump": None, "fp32": False}
+
+
+def _fq_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kw):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from vllm_accel.kernels.kivi_format import KiviLayout, fake_quant_kv
+
+    fmt = MODE["fmt"]
+    if MODE["dump"] is not None:
+        MODE["dump"].append((query[0].detach().clone(), key[0].detach().clone(),
+                             value[0].detach().clone(), float(scaling)))
+    if fmt != "bf16":
+        k = key[0].transpose(0, 1)  # [L, H, D]
+        v = value[0].transpose(0, 1)
+        if fmt.startswith("kivi"):
+            over = {}
+            if MODE["key_group"]:
+                over["key_group"] = MODE["key_group"]
+            layout = KiviLayout.preset(fmt, head_size=k.shape[-1], block_size=128,
+                                       dtype=key.dtype, **over)
+            kq, vq = fake_quant_kv(k, v, layout)
+        else:
+            kq, vq = fake_quant_kv(k, v, fmt)
+        cast = torch.float32 if MODE["fp32"] else key.dtype
+        key = kq.to(cast).transpose(0, 1).unsqueeze(0)
+        value = vq.to(cast).transpose(0, 1).unsqueeze(0)
+    if MODE["fp32"]:
+        dt = query.dtype
+        query, key, value = query.float(), key.float(), value.float()
+        if attention_mask is not None and attention_mask.is_floating_point():
+            attention_mask = attention_mask.float()
+        out, w = sdpa_attention_forward(module, query, key, value, attention_mask,
+                                        dropout=dropout, scaling=scaling, **kw)
+        return out.to(dt), w
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                  scaling=scaling, **kw)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--window", type=int, default=1024)
+    ap.add_argument("--count", type=int, default=2)
+    ap.add_argument("--formats", default="bf16,kivi_4bit,kivi_2bit")
+    ap.add_argument("--key-group", type=int, default=0)
+    ap.add_argument("--dump", default=None)
+    ap.add_argument("--dump-format", default="bf16")
+    ap.add_argument("--fp32-attention", action="store_true",
+                    help="attention in fp32 on (dequantized) K/V, like the KIVI torch kernel")
+    args = ap.parse_args()
+    torch.set_num_threads(int(os.environ.get("THREADS", "2")))
+
+    from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
+
+    from vllm_accel.quality.perplexity import build_windows
+
+    AttentionInterface.register("kivi_fq", _fq_attention)
+    path = os.path.expanduser(args.model)
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
+                                                 attn_implementation="kivi_fq").eval()
+    windows = build_windows(tok, args.window, args.count)
+    MODE["key_group"] = args.key_group or None
+    MODE["fp32"] = args.fp32_attention
+    res = {}
+    for fmt in args.formats.split(","):
+        MODE["fmt"] = fmt
+        nll, n = 0.0, 0
+        for wi, w in enumerate(windows):
+            if args.dump and fmt == args.dump_format and wi == 0:
+                MODE["dump"] = []
+            ids = torch.tensor([w])
+            with torch.no_grad():
+                logits = model(ids, use_cache=False).logits[0].float()
+            lp = torch.log_softmax(logits[:-1], -1).gather(1, ids[0, 1:, None])[:, 0]
+            nll -= float(lp.sum())
+            n += lp.numel()
+            if MODE["dump"] is not None:
+                Path(args.dump).mkdir(parents=True, exist_ok=True)
+                torch.save(MODE["dump"], Path(args.dump) / "qkv.pt")
+                MODE["dump"] = None
+        res[fmt] = math.exp(nll / n)
+        print(json.dumps({"fmt": fmt, "ppl": res[fmt], "tokens": n}), flush=True)
+    base = res.get("bf16")
+    for fmt, p in res.items():
+        d = f"{100 * (p / base - 1):+.2f} %" if base else ""
+        print(f"{fmt:12s} ppl {p:.4f} {d}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""Perplexity of the KIVI KV-cache dtypes inside real vLLM CPU engines (auto vs kivi_4bit/2bit).
+
+Each configuration runs in its own engine process (``vllm_accel.bench.engine_worker``, the same
+worker the bench harness uses), one at a time, on the same held-out windows
+(``vllm_accel.quality.perplexity.build_windows``); perplexity is ``exp(-mean log p)`` over all
+predicted prompt tokens (vLLM ``prompt_logprobs``).
+
+    flock /tmp/cpu.lock .venv/bin/python benchmarks/kivi_quality.py \
+        --model ~/.cache/vllm-accel/models/qwen2.5-coder-0.5b-instruct \
+        --window 1024 --count 2 --dtypes auto,kivi_4bit,kivi_2bit
+
+Options: ``--max-num-batched-tokens`` (force chunked prefill), ``--json OUT`` (write results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--window", type=int, default=1024)
+    ap.add_argument("--count", type=int, default=2)
+    ap.add_argument("--dtypes", default="auto,kivi_4bit,kivi_2bit")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.2)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    from transformers import AutoTokenizer
+
+    from vllm_accel.quality.perplexity import build_windows, perplexity
+
+    model = os.path.expanduser(args.model)
+    tok = AutoTokenizer.from_pretrained(model)
+    windows = build_windows(tok, args.window, args.count)
+    results, per_window, logprobs = {}, {}, {}
+    for dt in args.dtypes.split(","):
+        engine = dict(model=model, dtype="bfloat16", kv_cache_dtype=dt,
+                      max_model_len=args.window + 64, seed=0,
+                      gpu_memory_utilization=args.gpu_memory_utilization)
+        if args.max_num_batched_tokens:
+            engine["max_num_batched_tokens"] = args.max_num_batched_tokens
+        spec = {"engine": engine,
+                "env": {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
+                "tasks": [{"kind": "prompt_logprobs", "name": "ppl", "prompts": windows}]}
+        with tempfile.TemporaryDirectory() as td:
+            sp, op = Path(td, "spec.json"), Path(td, "out.json")
+            sp.write_text(json.dumps(spec))
+            t0 = time.perf_counter()
+            env = dict(os.environ, **spec["env"])
+            r = subprocess.run([sys.executable, "-m", "vllm_accel.bench.engine_worker",
+                                str(sp), str(op)], env=env, capture_output=True, text=True)
+            if r.returncode != 0:
+                print(r.stdout[-3000:], r.stderr[-6000:], file=sys.stderr)
+                raise SystemExit(f"engine for kv_cache_dtype={dt} failed")
+            out = json.loads(op.read_text())
+        ppl = perplexity(out["tasks"]["ppl"])
+        results[dt] = ppl
+        per_window[dt] = [perplexity([w]) for w in out["tasks"]["ppl"]]
+        logprobs[dt] = out["tasks"]["ppl"]
+        print(json.dumps({"kv_cache_dtype": dt, "ppl": ppl, "windows": args.count,
+                          "window": args.window, "wall_s": round(time.perf_counter() - t0, 1)}),
+              flush=True)
+    base = results.get("auto")
+    print(f"\nmodel {Path(model).name}, {args.count} x {args.window} tokens")
+    for dt, p in results.items():
+        rel = f"{100 * (p / base - 1):+.2f} %" if base else ""
+        wins = " ".join(f"{x:.2f}" for x in per_window[dt])
+        print(f"  {dt:10s} ppl {p:8.4f}  {rel:>9s}   per window: {wins}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"model": model, "window": args.window,
+                                               "count": args.count, "ppl": results,
+                                               "ppl_per_window": per_window,
+                                               "logprobs": logprobs}))
+
+
+if __name__ == "__main__":
+    main()
