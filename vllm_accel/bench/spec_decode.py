@@ -55,7 +55,8 @@ PROPOSER_CLASSES = {"sam": SAM_CLASS,
                     "hybrid": "vllm_accel.spec_decode.HybridProposer"}
 ALL_CONFIGS = ("no_spec", "ngram", *PROPOSER_CLASSES)
 SUFFIX_NOTE = ("vLLM's `suffix` method is not compared: it needs arctic-inference, which has "
-               "no binary wheel for this platform.")
+               "no binary wheel for this platform (only the 0.3.0 sdist, built against vLLM "
+               "0.26, which also installs a vLLM plugin of its own).")
 
 
 @dataclass(frozen=True)
