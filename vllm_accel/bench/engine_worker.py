@@ -225,7 +225,7 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
         "tasks": {},
         # Speculative decoding per task and in total (zeros without speculation).
         "spec_decoding": {"by_task": {}},
-        # Preemptions and prefix-cache hit tokens per task.
+        # Per task: preemptions, prefix-cache hit tokens, most requests running at once.
         "events": {},
     }
     warmup = spec["tasks"][0]["prompts"][0][:32] if spec["tasks"] else [1, 2, 3]
