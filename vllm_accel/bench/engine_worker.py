@@ -37,10 +37,10 @@ _PEAK: dict[str, float] = {"kv_usage": 0.0}
 # Speculative-decoding totals since the engine started (SchedulerStats.spec_decoding_stats).
 _SPEC_KEYS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 _SPEC: dict[str, int] = dict.fromkeys(_SPEC_KEYS, 0)
-# Scheduler events since the engine started: preempted requests, prefix-cache hit tokens,
-# the most requests running at once.
-_EVENT_KEYS = ("preemptions", "prefix_cache_hit_tokens", "max_running_reqs")
-_EVENTS: dict[str, int] = dict.fromkeys(_EVENT_KEYS, 0)
+# Scheduler counters since the engine started (preempted requests, prefix-cache hit tokens),
+# and the most requests running at once since the last task began.
+_EVENT_KEYS = ("preemptions", "prefix_cache_hit_tokens")
+_EVENTS: dict[str, int] = dict.fromkeys((*_EVENT_KEYS, "max_running_reqs"), 0)
 
 
 def _stat_logger_factory():
@@ -249,8 +249,8 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
         result["tasks"][name] = out
         result["spec_decoding"]["by_task"][name] = {k: _SPEC[k] - spec_before[k]
                                                     for k in _SPEC_KEYS}
-        result["events"][name] = {k: _EVENTS[k] - events_before[k] for k in _EVENT_KEYS}
-        result["events"][name]["max_running_reqs"] = _EVENTS["max_running_reqs"]
+        result["events"][name] = {**{k: _EVENTS[k] - events_before[k] for k in _EVENT_KEYS},
+                                  "max_running_reqs": _EVENTS["max_running_reqs"]}
     result["spec_decoding"]["total"] = dict(_SPEC)
     return result
 

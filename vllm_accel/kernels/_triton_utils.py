@@ -34,5 +34,19 @@ def triton_can_run_on(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda or (tensor.device.type == "cpu" and triton_interpreter_enabled())
 
 
+def choose_backend(backend: str, tensor: torch.Tensor,
+                   choices: tuple[str, ...] = ("torch", "triton")) -> str:
+    """The implementation a kernel entry point runs: ``auto`` -> ``triton`` on CUDA (when
+    Triton imports), else ``torch``; any other name must be one of ``choices``, and ``triton``
+    needs a device Triton can run on (:func:`triton_can_run_on`)."""
+    if backend == "auto":
+        return "triton" if (tensor.is_cuda and triton_can_run_on(tensor)) else "torch"
+    if backend not in choices:
+        raise ValueError(f"unknown backend {backend!r}; choose auto, {', '.join(choices)}")
+    if backend == "triton" and not triton_can_run_on(tensor):
+        raise RuntimeError("Triton cannot run here (no triton, or CPU without TRITON_INTERPRET=1)")
+    return backend
+
+
 def next_power_of_2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()

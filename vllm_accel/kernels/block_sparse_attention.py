@@ -88,7 +88,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ._triton_utils import HAS_TRITON, next_power_of_2, tl, triton, triton_can_run_on
+from ._triton_utils import HAS_TRITON, choose_backend, next_power_of_2, tl, triton
 
 __all__ = [
     "QueryBlocks",
@@ -946,13 +946,7 @@ def _block_sparse_attention_triton(
 
 
 def _choose_backend(backend: str, query: torch.Tensor) -> str:
-    if backend == "auto":
-        return "triton" if (query.is_cuda and triton_can_run_on(query)) else "torch"
-    if backend not in ("triton", "torch", "reference"):
-        raise ValueError(f"unknown backend {backend!r}")
-    if backend == "triton" and not triton_can_run_on(query):
-        raise RuntimeError("Triton cannot run here (no triton, or CPU without TRITON_INTERPRET=1)")
-    return backend
+    return choose_backend(backend, query, ("triton", "torch", "reference"))
 
 
 def block_sparse_attention(

@@ -29,10 +29,10 @@ import torch.nn.functional as F
 
 from vllm_accel.kernels._triton_utils import (
     HAS_TRITON,
+    choose_backend,
     next_power_of_2,
     tl,
     triton,
-    triton_can_run_on,
     triton_interpreter_enabled,
 )
 
@@ -72,17 +72,10 @@ def speed_upper_attention(
 
     ``backend``: ``"auto"`` (Triton on CUDA, torch otherwise), ``"torch"`` or ``"triton"``.
     """
-    if backend == "auto":
-        backend = "triton" if query.is_cuda and triton_can_run_on(query) else "torch"
-    if backend == "triton":
-        if not triton_can_run_on(query):
-            raise RuntimeError("Triton cannot run here (no triton, or CPU without "
-                               "TRITON_INTERPRET=1)")
+    if choose_backend(backend, query) == "triton":
         return _speed_upper_attention_triton(query, query_positions, query_start_loc,
                                              key_pages, value_pages, block_table, seq_lens,
                                              prompt_lens, anchor_tokens, scale)
-    if backend != "torch":
-        raise ValueError(f"unknown backend {backend!r} (auto, torch, triton)")
     num_reqs = len(seq_lens)
     page_size = key_pages.shape[1]
     out = query.new_empty(query.shape)
