@@ -83,7 +83,10 @@ def _run(engine, prompts: list[list[int]], params) -> tuple[dict[str, dict[str, 
     records: dict[str, dict[str, Any]] = {}
     for i, ids in enumerate(prompts):
         rid = f"req-{i}"
-        engine.add_request(rid, TokensPrompt(prompt_token_ids=ids), params)
+        # a prompt is token ids, or TokensPrompt fields (e.g. with a cache_salt)
+        prompt = TokensPrompt(**ids) if isinstance(ids, dict) else TokensPrompt(
+            prompt_token_ids=ids)
+        engine.add_request(rid, prompt, params)
         records[rid] = {"submit": time.perf_counter(), "token_times": [], "index": i}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -228,7 +231,8 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
         # Per task: preemptions, prefix-cache hit tokens, most requests running at once.
         "events": {},
     }
-    warmup = spec["tasks"][0]["prompts"][0][:32] if spec["tasks"] else [1, 2, 3]
+    first = spec["tasks"][0]["prompts"][0] if spec["tasks"] else [1, 2, 3]
+    warmup = (first["prompt_token_ids"] if isinstance(first, dict) else first)[:32]
     _run(engine, [warmup], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     for task in spec["tasks"]:
         kind, name = task["kind"], task["name"]

@@ -1,9 +1,9 @@
-"""Route vLLM's Llama and Qwen2 architectures through SPEED's model transform.
+"""Route vLLM's Llama and Qwen2 architectures through vllm_accel's model transforms.
 
 Called by the plugin in every vLLM process; cheap: it registers module paths (vLLM imports
 :mod:`vllm_accel.speed.model` only when it builds such a model). Without
-``--attention-backend ACCEL_SPEED`` the registered classes construct vLLM's own classes,
-unchanged (``vllm_accel.speed.model._SpeedMixin.__new__``).
+``--attention-backend ACCEL_SPEED`` (or the chunk-reuse connector) the registered classes
+construct vLLM's own classes, unchanged (``vllm_accel.model_transforms``).
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import logging
 from typing import Any
 
 NAME = "ACCEL_SPEED"
-#: vLLM architecture name -> the SPEED-aware class (``module:Class``).
+#: vLLM architecture name -> the class that picks the model transform (``module:Class``).
 ARCHITECTURES = {
-    "LlamaForCausalLM": "vllm_accel.speed.model:SpeedLlamaForCausalLM",
-    "Qwen2ForCausalLM": "vllm_accel.speed.model:SpeedQwen2ForCausalLM",
+    "LlamaForCausalLM": "vllm_accel.model_transforms:AccelLlamaForCausalLM",
+    "Qwen2ForCausalLM": "vllm_accel.model_transforms:AccelQwen2ForCausalLM",
 }
 
 

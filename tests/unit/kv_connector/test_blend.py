@@ -1,0 +1,192 @@
+"""Selective recompute (``blend.recompute_tokens``) against a dense reference forward.
+
+A tiny decoder with vLLM's layer interfaces (``layer(positions, hidden, residual)``,
+``self_attn.attn(q, k, v)``, ``rotary_emb(positions, q, k)``, fused add-RMSNorm) is run densely
+over a prompt to get every layer's exact K/V. Recomputing tokens through the paged pages must
+reproduce exactly those K/V wherever the inputs were exact.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from vllm_accel.kernels.rope_rerotate import apply_rope, rope_cos_sin_cache
+from vllm_accel.kv_connector.blend import recompute_tokens
+from vllm_accel.kv_connector.paged_kv import PagedLayerKV
+
+H, HKV, D, HIDDEN, LAYERS, PAGE = 4, 2, 8, 32, 3, 16
+
+
+class _Norm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(HIDDEN) + 0.5)
+
+    def forward(self, x, residual=None):
+        if residual is not None:
+            x = x + residual
+            residual = x
+        out = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+        return out if residual is None else (out, residual)
+
+
+class _Rotary(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rotary_dim, self.is_neox_style = D, True
+        self.cos_sin_cache = rope_cos_sin_cache(D, 4096)
+
+    def forward(self, positions, q, k):
+        n = q.shape[0]
+        return (apply_rope(q.view(n, -1, D), positions, self.cos_sin_cache).view(n, -1),
+                apply_rope(k.view(n, -1, D), positions, self.cos_sin_cache).view(n, -1))
+
+
+class _DenseAttn(nn.Module):
+    """Causal attention over the rows it is given (the reference); records K/V."""
+
+    num_heads, num_kv_heads, head_size = H, HKV, D
+
+    def __init__(self):
+        super().__init__()
+        self.impl = type("Impl", (), {"scale": D ** -0.5})()
+        self.recorded = None
+
+    def forward(self, q, k, v):
+        n = q.shape[0]
+        self.recorded = (k.view(n, HKV, D).clone(), v.view(n, HKV, D).clone())
+        qh = q.view(n, H, D).transpose(0, 1)
+        kh = k.view(n, HKV, D).transpose(0, 1).repeat_interleave(H // HKV, 0)
+        vh = v.view(n, HKV, D).transpose(0, 1).repeat_interleave(H // HKV, 0)
+        out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True,
+                                                               scale=self.impl.scale)
+        return out.transpose(0, 1).reshape(n, H * D)
+
+
+class _SelfAttn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv_proj = nn.Linear(HIDDEN, (H + 2 * HKV) * D)
+        self.o_proj = nn.Linear(H * D, HIDDEN)
+        self.rotary_emb, self.attn = _Rotary(), _DenseAttn()
+
+    def forward(self, positions, hidden_states):
+        q, k, v = self.qkv_proj(hidden_states).split([H * D, HKV * D, HKV * D], -1)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class _Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.input_layernorm, self.post_attention_layernorm = _Norm(), _Norm()
+        self.self_attn = _SelfAttn()
+        self.mlp = nn.Sequential(nn.Linear(HIDDEN, 64), nn.SiLU(), nn.Linear(64, HIDDEN))
+
+    def forward(self, positions, hidden_states, residual):
+        if residual is None:
+            residual, hidden_states = hidden_states, self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class _Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.model = nn.Module()
+        self.model.embed = nn.Embedding(100, HIDDEN)
+        self.model.embed_input_ids = self.model.embed
+        self.model.layers = nn.ModuleList(_Layer() for _ in range(LAYERS))
+
+
+@pytest.fixture
+def setup():
+    torch.manual_seed(0)
+    model = _Model().eval()
+    n = 70
+    tokens = torch.randint(0, 100, (n,))
+    positions = torch.arange(n)
+    with torch.no_grad():
+        hidden, residual = model.model.embed_input_ids(tokens), None
+        reference = []
+        for layer in model.model.layers:
+            hidden, residual = layer(positions, hidden, residual)
+            reference.append(layer.self_attn.attn.recorded)
+    num_pages = 8
+    caches = [torch.randn(num_pages, HKV, PAGE, 2 * D) for _ in range(LAYERS)]  # garbage
+    layers_kv = [PagedLayerKV(c, PAGE, cpu_isa="plain") for c in caches]
+    block_table = torch.tensor([5, 2, 7, 0, 3])
+    return model, tokens, reference, layers_kv, block_table
+
+
+def _fill(layers_kv, block_table, reference, positions):
+    for paged, (k, v) in zip(layers_kv, reference):
+        paged.write(block_table, positions, k[positions], v[positions])
+
+
+def _assert_pages_match(layers_kv, block_table, reference, positions):
+    for paged, (k, v) in zip(layers_kv, reference):
+        got_k, got_v = paged.read(block_table, positions)
+        torch.testing.assert_close(got_k, k[positions], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got_v, v[positions], atol=1e-5, rtol=1e-5)
+
+
+def test_recomputing_every_token_reproduces_the_dense_kv(setup):
+    model, tokens, reference, layers_kv, block_table = setup
+    positions = torch.arange(len(tokens))
+    result = recompute_tokens(model, layers_kv, block_table, tokens, positions)
+    assert result.rows_per_layer == [len(tokens)] * LAYERS
+    _assert_pages_match(layers_kv, block_table, reference, positions)
+
+
+def test_recomputing_a_missing_range_between_exact_kv(setup):
+    model, tokens, reference, layers_kv, block_table = setup
+    missing = torch.arange(20, 45)
+    exact = torch.cat([torch.arange(0, 20), torch.arange(45, 70)])
+    _fill(layers_kv, block_table, reference, exact)
+    recompute_tokens(model, layers_kv, block_table, tokens[missing], missing)
+    _assert_pages_match(layers_kv, block_table, reference, torch.arange(70))
+
+
+def test_missing_kv_not_recomputed_stays_wrong(setup):
+    """The check above can fail: skip part of the missing range and the KV differs."""
+    model, tokens, reference, layers_kv, block_table = setup
+    exact = torch.cat([torch.arange(0, 20), torch.arange(45, 70)])
+    _fill(layers_kv, block_table, reference, exact)
+    partial = torch.arange(30, 45)
+    recompute_tokens(model, layers_kv, block_table, tokens[partial], partial)
+    with pytest.raises(AssertionError):
+        _assert_pages_match(layers_kv, block_table, reference, partial)
+
+
+def test_cacheblend_keeps_the_most_deviating_rows(setup):
+    model, tokens, reference, layers_kv, block_table = setup
+    _fill(layers_kv, block_table, reference, torch.arange(70))
+    positions = torch.arange(10, 70)
+    # corrupt the stored layer-1 keys of three tokens: CacheBlend must pick exactly those
+    corrupt = torch.tensor([17, 33, 61])
+    k1, _ = layers_kv[1].read(block_table, corrupt)
+    layers_kv[1].write(block_table, corrupt, k1 + 5.0, None)
+    candidates = torch.ones(len(positions), dtype=torch.bool)
+    candidates[:2] = False  # e.g. tokens with no stored KV: always kept
+    result = recompute_tokens(model, layers_kv, block_table, tokens[positions], positions,
+                              candidates=candidates, ratio=3 / 58)
+    assert result.rows_per_layer == [60, 60, 5]
+    assert result.last_positions.tolist() == [10, 11, 17, 33, 61]
+    # layers 0 and 1 got fresh KV for every row, so the corruption is gone
+    _assert_pages_match(layers_kv, block_table, reference, torch.arange(70))
+
+
+def test_cacheblend_ratio_one_recomputes_everything(setup):
+    model, tokens, reference, layers_kv, block_table = setup
+    positions = torch.arange(len(tokens))
+    candidates = torch.ones(len(tokens), dtype=torch.bool)
+    result = recompute_tokens(model, layers_kv, block_table, tokens, positions,
+                              candidates=candidates, ratio=1.0)
+    assert result.rows_per_layer == [70] * LAYERS
+    _assert_pages_match(layers_kv, block_table, reference, positions)

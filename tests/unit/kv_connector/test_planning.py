@@ -1,0 +1,103 @@
+"""Chunk markup, keys, the reuse plan and the connector's config: pure logic, no vLLM."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_accel.kv_connector.chunking import (
+    ChunkMarkupError,
+    Span,
+    find_chunks,
+    spans_from_separator,
+)
+from vllm_accel.kv_connector.config import ChunkReuseConfigError, parse_config
+from vllm_accel.kv_connector.identity import chunk_key, model_fingerprint
+from vllm_accel.kv_connector.planner import (
+    PlannedChunk,
+    approx_start,
+    chunks_to_save,
+    plan_reuse,
+)
+
+S = 9  # separator id
+
+
+def test_separator_chunks_cover_everything_before_the_last_separator():
+    tokens = [1, 2, S, 3, 4, 5, S, 6, S, 7, 8]
+    assert spans_from_separator(tokens, S) == [Span(0, 2), Span(2, 6), Span(6, 8)]
+    # no prefix, and fewer than two separators: nothing reusable
+    assert spans_from_separator([S, 3, S, 4], S) == [Span(0, 2)]
+    assert spans_from_separator([1, S, 3], S) == []
+
+
+def test_explicit_spans_fill_gaps_and_win_over_separator():
+    tokens = list(range(20))
+    spans = find_chunks(tokens, S, {"chunk_spans": [[3, 7], [7, 12]]})
+    assert spans == [Span(0, 3), Span(3, 7), Span(7, 12)]
+    assert find_chunks([1, S, 2, S, 3], S, {"chunk_reuse": False}) == []
+
+
+@pytest.mark.parametrize("params", [
+    {"chunk_spans": [[5, 3]]}, {"chunk_spans": [[0, 4], [2, 6]]}, {"chunk_spans": [[0, 20]]},
+    {"chunk_spans": "0-4"}, {"chunk_spans": [[0, 1.5]]}, {"chunk_reuse": "yes"}, ["x"],
+])
+def test_malformed_params_raise(params):
+    with pytest.raises(ChunkMarkupError):
+        find_chunks(list(range(20)), S, params)
+
+
+def test_keys_separate_models_salts_and_tokens():
+    fp = model_fingerprint("m", "t", "float32", "auto", {"rope_theta": 1e6})
+    other = model_fingerprint("m", "t", "bfloat16", "auto", {"rope_theta": 1e6})
+    rope = model_fingerprint("m", "t", "float32", "auto", {"rope_theta": 1e4})
+    assert len({fp, other, rope}) == 3
+    base = chunk_key(fp, None, [1, 2, 3])
+    assert base == chunk_key(fp, "", [1, 2, 3])
+    assert base != chunk_key(fp, "tenant-a", [1, 2, 3])
+    assert chunk_key(fp, "tenant-a", [1, 2, 3]) != chunk_key(fp, "tenant-b", [1, 2, 3])
+    assert base != chunk_key(fp, None, [1, 2, 4]) != chunk_key(other, None, [1, 2, 3])
+
+
+def _chunks(spans, stored):
+    return [PlannedChunk(Span(a, b), f"k{a}", s) for (a, b), s in zip(spans, stored)]
+
+
+def test_plan_claims_to_the_last_stored_chunk_block_aligned():
+    chunks = _chunks([(0, 10), (10, 40), (40, 75), (75, 100)], [True, True, False, True])
+    plan = plan_reuse(chunks, prompt_len=130, local=0, block_size=16, min_reuse_tokens=1,
+                      epic_tokens=4)
+    assert plan.claim_end == 96  # 100 rounded down to a block
+    assert plan.num_external == 96
+    assert plan.forced == list(range(40, 75))  # the chunk the store lacks is recomputed
+    assert [(ld.position, ld.offset, ld.count) for ld in plan.loads] == [
+        (0, 0, 10), (10, 0, 30), (75, 0, 21)]
+    assert plan.epic == [10, 11, 12, 13, 75, 76, 77, 78]  # not the exact chunk at position 0
+    assert approx_start(plan) == 10
+    assert 5 not in plan.candidates and 10 in plan.candidates
+
+
+def test_plan_respects_local_hit_limits_and_minimum():
+    chunks = _chunks([(0, 32), (32, 64)], [True, True])
+    plan = plan_reuse(chunks, prompt_len=64, local=16, block_size=16, min_reuse_tokens=1,
+                      epic_tokens=2)
+    assert plan.claim_end == 48  # the last prompt token is always computed -> 63 -> 48
+    assert plan.loads[0].position == 16 and plan.loads[0].offset == 16
+    assert plan_reuse(chunks, 200, 0, 16, min_reuse_tokens=65, epic_tokens=0).num_external == 0
+    nothing = _chunks([(0, 32), (32, 64)], [False, False])
+    assert plan_reuse(nothing, 200, 0, 16, 1, 0).num_external == 0
+
+
+def test_chunks_to_save_waits_for_complete_chunks():
+    chunks = _chunks([(0, 10), (10, 40), (40, 75)], [False, True, False])
+    assert [c.key for c in chunks_to_save(chunks, set(), 39)] == ["k0"]
+    assert [c.key for c in chunks_to_save(chunks, {"k0"}, 80)] == ["k40"]
+
+
+def test_config_errors_name_the_knob():
+    assert parse_config({}).recompute == "epic"
+    assert parse_config({"stores": "memory", "recompute": "cacheblend"}).stores == ("memory",)
+    for bad, name in [({"recompute": "all"}, "recompute"), ({"recompute_ratio": 2}, "ratio"),
+                      ({"epic_tokens": 1.5}, "epic_tokens"), ({"stores": []}, "stores"),
+                      ({"recompute_policy": "epic"}, "recompute_policy")]:
+        with pytest.raises(ChunkReuseConfigError, match=name):
+            parse_config(bad)

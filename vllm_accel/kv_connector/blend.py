@@ -1,0 +1,146 @@
+"""Selective recompute: the connector computes chosen claimed tokens itself, before the forward.
+
+After the stored chunks are written into a request's pages, some claimed tokens must be
+recomputed so that chunks "see" each other (and tokens whose chunk could not be loaded must be
+computed at all). :func:`recompute_tokens` runs the model's own decoder layers on those rows
+only, layer by layer, in their true positions. Inside each layer the model's attention module is
+swapped for :class:`_PagedRowAttention`, which writes the rows' fresh K/V into the pages (over the
+loaded KV) and lets each row attend causally to the request's pages: loaded KV for the other
+tokens, fresh KV for the recomputed ones. Norms, projections, RoPE, MLP are the model's code, so
+any decoder whose attention calls ``self.attn(q, k, v)`` works (Llama, Qwen2, ...).
+
+Policies (``recompute`` knob):
+
+* ``none`` — only the tokens without stored KV (naive reuse);
+* ``epic`` — plus the first ``epic_tokens`` of every reused chunk (EPIC / LegoLink: the chunk's
+  attention-sink tokens are the ones whose KV is most wrong out of context);
+* ``cacheblend`` — layer 0 runs on every claimed token; at layer 1 the rows whose fresh keys
+  deviate most from the loaded keys (top ``recompute_ratio`` of the reused tokens) are kept and
+  only they run layers 2..L-1 (CacheBlend's selection by KV deviation). Layers 0 and 1 get fresh
+  KV for every claimed token.
+
+The model handle comes from :func:`register_model`, called by the model transform when the
+engine runs this connector (``vllm_accel.model_transforms``).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vllm_accel.kv_connector.paged_kv import PagedLayerKV
+
+_QUERY_ROWS_PER_BLOCK = 512
+_model_ref: weakref.ReferenceType | None = None
+
+
+def register_model(model: nn.Module) -> None:
+    global _model_ref
+    _model_ref = weakref.ref(model)
+
+
+def registered_model() -> nn.Module | None:
+    return _model_ref() if _model_ref is not None else None
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    return list(model.model.layers)
+
+
+def rotary_of(model: nn.Module) -> nn.Module:
+    return decoder_layers(model)[0].self_attn.rotary_emb
+
+
+class _PagedRowAttention(nn.Module):
+    """Stands in for a layer's ``attn`` module: rows attend to their request's pages."""
+
+    def __init__(self, attn: nn.Module, paged: PagedLayerKV, block_table: torch.Tensor,
+                 positions: torch.Tensor, candidates: torch.Tensor | None = None,
+                 ratio: float = 0.0):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
+        self.head_size, self.scale = attn.head_size, attn.impl.scale
+        self.paged, self.block_table, self.positions = paged, block_table, positions
+        self.candidates, self.ratio = candidates, ratio
+        self.keep: torch.Tensor | None = None
+
+    def _select(self, fresh_k: torch.Tensor) -> torch.Tensor:
+        """Row indices to keep: non-candidates (tokens that had no stored KV) and the top
+        ``ratio`` of candidates by key deviation from the loaded keys."""
+        loaded_k, _ = self.paged.read(self.block_table, self.positions)
+        deviation = (fresh_k.float() - loaded_k.float()).square().sum(dim=(1, 2))
+        cand = self.candidates
+        num_keep = math.ceil(self.ratio * int(cand.sum()))
+        score = torch.where(cand, deviation, torch.full_like(deviation, float("inf")))
+        num_rows = int((~cand).sum()) + num_keep
+        return torch.topk(score, num_rows).indices.sort().values
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        n, d = q.shape[0], self.head_size
+        q = q.view(n, self.num_heads, d)
+        k, v = k.view(n, self.num_kv_heads, d), v.view(n, self.num_kv_heads, d)
+        if self.candidates is not None:
+            self.keep = self._select(k)
+        self.paged.write(self.block_table, self.positions, k, v)
+        num_keys = int(self.positions.max()) + 1
+        key_pos = torch.arange(num_keys, device=q.device)
+        keys, values = self.paged.read(self.block_table, key_pos)
+        keys = keys.transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, H_kv, S, D]
+        values = values.transpose(0, 1).unsqueeze(0).to(q.dtype)
+        out = torch.empty_like(q)
+        for lo in range(0, n, _QUERY_ROWS_PER_BLOCK):
+            hi = min(n, lo + _QUERY_ROWS_PER_BLOCK)
+            visible = key_pos[None, :] <= self.positions[lo:hi, None]
+            out[lo:hi] = F.scaled_dot_product_attention(
+                q[lo:hi].transpose(0, 1).unsqueeze(0), keys, values,
+                attn_mask=visible[None, None], scale=self.scale, enable_gqa=True,
+            )[0].transpose(0, 1)
+        return out.reshape(n, self.num_heads * d)
+
+
+@dataclass
+class RecomputeResult:
+    rows_per_layer: list[int]
+    last_positions: torch.Tensor  # the rows that ran the last layer
+
+    @property
+    def token_layers(self) -> int:
+        return sum(self.rows_per_layer)
+
+
+def recompute_tokens(model: nn.Module, layers_kv: list[PagedLayerKV], block_table: torch.Tensor,
+                     token_ids: torch.Tensor, positions: torch.Tensor,
+                     candidates: torch.Tensor | None = None, ratio: float = 0.0,
+                     select_layer: int = 1) -> RecomputeResult:
+    """Run the decoder layers on ``positions`` (sorted) of one request, writing their K/V.
+
+    ``token_ids[i]`` is the token at ``positions[i]``. With ``candidates`` (bool per row), rows
+    are narrowed at ``select_layer`` to the non-candidates plus the top ``ratio`` of candidates
+    by key deviation (CacheBlend); without, every row runs every layer.
+    """
+    layers = decoder_layers(model)
+    rows: list[int] = []
+    with torch.inference_mode():
+        hidden = model.model.embed_input_ids(token_ids)
+        residual = None
+        for index, (layer, paged) in enumerate(zip(layers, layers_kv)):
+            select = candidates is not None and index == select_layer
+            original = layer.self_attn.attn
+            stand_in = _PagedRowAttention(original, paged, block_table, positions,
+                                          candidates if select else None, ratio)
+            layer.self_attn.attn = stand_in
+            try:
+                hidden, residual = layer(positions, hidden, residual)
+            finally:
+                layer.self_attn.attn = original
+            rows.append(int(positions.numel()))
+            if select and stand_in.keep is not None:
+                keep = stand_in.keep
+                hidden, residual = hidden[keep], residual[keep]
+                positions, token_ids = positions[keep], token_ids[keep]
+    return RecomputeResult(rows, positions)

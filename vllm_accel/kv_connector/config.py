@@ -1,0 +1,118 @@
+"""The ``kv_connector_extra_config`` knobs of :class:`~vllm_accel.kv_connector.ChunkReuseConnector`.
+
+Set them in vLLM's own flag::
+
+    --kv-transfer-config '{"kv_connector": "ChunkReuseConnector",
+                           "kv_connector_module_path": "vllm_accel.kv_connector",
+                           "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"recompute": "epic",
+                                                         "stores": ["memory"]}}'
+
+A bad value fails at engine start-up with a message naming the knob and what is allowed. This
+module does not import vLLM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+FLAG = "--kv-transfer-config kv_connector_extra_config"
+RECOMPUTE_POLICIES = ("none", "epic", "cacheblend")
+#: Separators tried, in order, when ``chunk_separator`` is ``"auto"``: special tokens that the
+#: tokenizers of the supported model families keep as one token (file separators of code models).
+AUTO_SEPARATORS = ("<|file_sep|>", "<file_sep>", "<|fim_pad|>")
+
+
+class ChunkReuseConfigError(ValueError):
+    pass
+
+
+def knob(name: str) -> str:
+    return f"{FLAG}.{name}"
+
+
+@dataclass(frozen=True)
+class ChunkReuseConfig:
+    #: Where chunk KV lives, fastest first: ``"memory"``, ``"disk:/path"``, ``"redis://host:port/db"``.
+    stores: tuple[str, ...] = ("memory",)
+    #: Size bound of the in-process memory tier.
+    memory_gb: float = 2.0
+    #: The single special token that starts every reusable chunk (``"auto"``: the first of
+    #: :data:`AUTO_SEPARATORS` the tokenizer has).
+    chunk_separator: str = "auto"
+    #: ``none`` (naive reuse), ``epic`` (recompute the first ``epic_tokens`` of every reused
+    #: chunk), ``cacheblend`` (recompute layer 0, then the ``recompute_ratio`` of tokens whose
+    #: layer-1 keys deviate most from the loaded ones).
+    recompute: str = "epic"
+    epic_tokens: int = 16
+    recompute_ratio: float = 0.15
+    #: Reuse only when the loaded chunks cover at least this many tokens.
+    min_reuse_tokens: int = 64
+    #: Save chunks seen for the first time (``False``: read-only, e.g. a precomputed store).
+    save_new_chunks: bool = True
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(self.memory_gb * (1 << 30))
+
+    def validate(self) -> dict[str, str]:
+        bad: dict[str, str] = {}
+        if not self.stores:
+            bad["stores"] = "must list at least one store (e.g. [\"memory\"])"
+        if self.memory_gb < 0:
+            bad["memory_gb"] = "must be >= 0"
+        if self.recompute not in RECOMPUTE_POLICIES:
+            bad["recompute"] = f"must be one of {', '.join(RECOMPUTE_POLICIES)}"
+        if not 0 <= self.epic_tokens <= 4096:
+            bad["epic_tokens"] = "must be in [0, 4096]"
+        if not 0.0 <= self.recompute_ratio <= 1.0:
+            bad["recompute_ratio"] = "must be in [0, 1]"
+        if self.min_reuse_tokens < 1:
+            bad["min_reuse_tokens"] = "must be >= 1"
+        if not isinstance(self.chunk_separator, str) or not self.chunk_separator:
+            bad["chunk_separator"] = "must be a non-empty string (a single special token) or auto"
+        return bad
+
+
+def parse_config(extra: dict[str, Any] | None) -> ChunkReuseConfig:
+    """``kv_connector_extra_config`` -> a validated :class:`ChunkReuseConfig`.
+
+    Unknown keys fail too: a typo must not silently fall back to a default.
+    """
+    extra = dict(extra or {})
+    names = {f.name: f for f in dataclasses.fields(ChunkReuseConfig)}
+    unknown = sorted(set(extra) - set(names))
+    if unknown:
+        raise ChunkReuseConfigError(
+            f"{knob(unknown[0])}: unknown knob; known: {', '.join(sorted(names))}")
+    values: dict[str, Any] = {}
+    for key, value in extra.items():
+        default = getattr(ChunkReuseConfig, key, None) if key != "stores" else ()
+        try:
+            if key == "stores":
+                if isinstance(value, str):
+                    value = [value]
+                value = tuple(str(v) for v in value)
+            elif isinstance(default, bool):
+                if not isinstance(value, bool):
+                    raise TypeError
+            elif isinstance(default, int):
+                if isinstance(value, bool) or int(value) != value:
+                    raise TypeError
+                value = int(value)
+            elif isinstance(default, float):
+                value = float(value)
+        except (TypeError, ValueError):
+            raise ChunkReuseConfigError(
+                f"{knob(key)}={value!r}: expected {type(default).__name__}") from None
+        values[key] = value
+    config = ChunkReuseConfig(**values)
+    bad = config.validate()
+    if bad:
+        key, why = next(iter(bad.items()))
+        raise ChunkReuseConfigError(f"{knob(key)}={getattr(config, key)!r}: {why}")
+    return config
+
+
