@@ -11,6 +11,7 @@ give exactly the no-reuse behaviour; chunked prefill with prefix caching still a
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -120,3 +121,46 @@ def test_chunked_prefill_with_prefix_caching(run, prompts):
                         **_reuse(recompute="epic"))
     assert _counter(log, "scheduler", "reused_requests") >= 1
     assert all(PASSCODE in t for t in texts), texts
+
+
+@pytest.mark.real_model
+def test_serve_reuses_documents_marked_in_prompt_text(default_model, tmp_path):
+    """OpenAI completions with documents separated by the special token in plain text; the
+    counters appear in vLLM's Prometheus /metrics; malformed kv_transfer_params are counted and
+    the request is served without reuse."""
+    import json
+    import urllib.request
+
+    from tests.integration.test_serve import _post, served
+    from vllm_accel.quality.data import essays_dir
+
+    config = _reuse()["kv_transfer_config"]
+    docs = [p.read_text()[:900] for p in sorted(Path(essays_dir()).glob("*.txt"))[:3]]
+    args = ["--dtype", "float32", "--served-model-name", "m", "--kv-transfer-config",
+            json.dumps(config)]
+    with served(default_model, args, tmp_path / "serve.log") as url:
+        texts = []
+        for order in ([0, 1, 2], [2, 0, 1]):
+            prompt = ("Documents:" + "".join("<file_sep>" + docs[i] for i in order)
+                      + "<file_sep>Question: which document is about Apple?")
+            out = _post(f"{url}/v1/completions", {"model": "m", "prompt": prompt,
+                                                  "max_tokens": 4, "temperature": 0})
+            texts.append(out["choices"][0]["text"])
+        bad = _post(f"{url}/v1/completions", {"model": "m", "prompt": "a<file_sep>b<file_sep>c",
+                                              "max_tokens": 2,
+                                              "kv_transfer_params": {"chunk_spans": [[3, 1]]}})
+        assert bad["choices"][0]["finish_reason"] in ("length", "stop")  # served
+        time.sleep(1)
+        metrics = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
+
+    def metric(name: str) -> float:
+        found = re.search(rf"^vllm:chunk_reuse_{name}_total{{[^}}]*}} ([0-9.e+]+)$", metrics,
+                          re.M)
+        assert found, f"vllm:chunk_reuse_{name}_total missing from /metrics"
+        return float(found.group(1))
+
+    assert metric("reused_requests") == 1
+    assert metric("hit_tokens") >= 128
+    assert metric("saved_chunks") >= 3
+    assert metric("markup_errors") == 1
+    assert all(texts)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -29,20 +30,20 @@ def _post(url: str, body: dict) -> dict:
         return json.loads(resp.read())
 
 
-@pytest.mark.real_model
-def test_serve_answers_a_completion_with_accel_base(default_model, tmp_path):
+@contextlib.contextmanager
+def served(model: str, args: list[str], log_path):
+    """``vllm-accel serve MODEL ARGS`` on a free port until healthy; yields the base URL."""
     port = _free_port()
-    log = open(tmp_path / "serve.log", "w")
-    cmd = [sys.executable, "-m", "vllm_accel.cli", "serve", default_model,
-           "--attention-backend", "ACCEL_BASE", "--host", "127.0.0.1", "--port", str(port),
-           "--gpu-memory-utilization", "0.2", "--max-model-len", "2048", "--enforce-eager",
-           "--served-model-name", "smollm2"]
+    log = open(log_path, "w")
+    cmd = [sys.executable, "-m", "vllm_accel.cli", "serve", model, "--host", "127.0.0.1",
+           "--port", str(port), "--gpu-memory-utilization", "0.2", "--max-model-len", "2048",
+           "--enforce-eager", *args]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             env=engine_env())
     try:
         deadline = time.time() + 600
         while time.time() < deadline:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            assert proc.poll() is None, open(log_path).read()[-3000:]
             try:
                 urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
                 break
@@ -50,7 +51,21 @@ def test_serve_answers_a_completion_with_accel_base(default_model, tmp_path):
                 time.sleep(2)
         else:
             pytest.fail("server did not become healthy in 600 s")
-        base = f"http://127.0.0.1:{port}/v1"
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+
+
+@pytest.mark.real_model
+def test_serve_answers_a_completion_with_accel_base(default_model, tmp_path):
+    args = ["--attention-backend", "ACCEL_BASE", "--served-model-name", "smollm2"]
+    with served(default_model, args, tmp_path / "serve.log") as url:
+        base = f"{url}/v1"
         completion = _post(f"{base}/completions", {
             "model": "smollm2", "prompt": "The capital of France is", "max_tokens": 8,
             "temperature": 0})
@@ -60,10 +75,3 @@ def test_serve_answers_a_completion_with_accel_base(default_model, tmp_path):
             "messages": [{"role": "user", "content": "What is the capital of France?"}]})
         assert "Paris" in chat["choices"][0]["message"]["content"]
         assert "Using ACCEL_BASE backend on CPU" in (tmp_path / "serve.log").read_text()
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()

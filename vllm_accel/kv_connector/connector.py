@@ -42,7 +42,11 @@ from vllm_accel.kv_connector.config import (
     parse_config,
 )
 from vllm_accel.kv_connector.identity import chunk_key, fingerprint_from_vllm
-from vllm_accel.kv_connector.metrics import ReuseCounters
+from vllm_accel.kv_connector.metrics import (
+    ChunkReusePromMetrics,
+    ChunkReuseStats,
+    ReuseCounters,
+)
 from vllm_accel.kv_connector.paged_kv import PagedLayerKV
 from vllm_accel.kv_connector.planner import (
     ChunkLoad,
@@ -331,7 +335,9 @@ class ChunkReuseConnector(KVConnectorBase_V1, SupportsHMA):
             for layer, paged in enumerate(layers):
                 paged.write(block_table, positions, keys[layer], values[layer])
             self.counters.add("loaded_bytes", keys.nbytes + values.nbytes)
+            self.counters.add("loaded_tokens", load.count)
         forced += sorted(failed)
+        self.counters.add("forced_tokens", len(forced))
         self._recompute(model, layers, block_table, req, forced, failed)
         self.counters.add("load_seconds", time.perf_counter() - started)
 
@@ -391,6 +397,22 @@ class ChunkReuseConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         update, self._index_update = self._index_update, ChunkIndexUpdate()
         return update if (update.saved or update.lost) else None
+
+    def get_kv_connector_stats(self) -> ChunkReuseStats | None:
+        increments = self.counters.take_increments(self.store)
+        return ChunkReuseStats(increments) if increments else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> ChunkReuseStats | None:
+        return ChunkReuseStats(dict(data)) if data is not None else ChunkReuseStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]
+                           ) -> ChunkReusePromMetrics:
+        return ChunkReusePromMetrics(vllm_config, metric_types, labelnames,
+                                     per_engine_labelvalues)
 
     def shutdown(self) -> None:
         self.counters.maybe_log(self.store, force=True)
