@@ -71,6 +71,7 @@ if TYPE_CHECKING:
 logger = get_logger("kv_connector")
 NAME = "ChunkReuseConnector"
 _MAX_KNOWN_KEYS = 1 << 20
+UNQUANTIZED_KV_DTYPES = ("auto", "float16", "bfloat16", "float32")
 
 
 @dataclass
@@ -152,6 +153,11 @@ class ChunkReuseConnector(KVConnectorBase_V1, SupportsHMA):
         self._known: OrderedDict[str, None] = OrderedDict()
         # Worker: what to tell the scheduler after this step.
         self._index_update = ChunkIndexUpdate()
+        cache_dtype = str(vllm_config.cache_config.cache_dtype)
+        if cache_dtype not in UNQUANTIZED_KV_DTYPES:
+            raise ValueError(f"{NAME} stores and writes unquantized KV; --kv-cache-dtype "
+                             f"{cache_dtype} is not supported with it yet (use one of "
+                             f"{', '.join(UNQUANTIZED_KV_DTYPES)})")
         if vllm_config.parallel_config.tensor_parallel_size > 1:
             raise ValueError(f"{NAME} does not support --tensor-parallel-size > 1 yet (chunk "
                              f"KV is stored per worker); use one GPU per engine")

@@ -101,3 +101,19 @@ def test_config_errors_name_the_knob():
                       ({"recompute_policy": "epic"}, "recompute_policy")]:
         with pytest.raises(ChunkReuseConfigError, match=name):
             parse_config(bad)
+
+
+def test_retagging_moves_blended_blocks_off_the_exact_chain():
+    pytest.importorskip("vllm")
+    from vllm_accel.kv_connector.connector import retag_block_hashes
+
+    class Request:
+        block_hashes = [bytes([i]) * 32 for i in range(5)]
+
+    request = Request()
+    original = list(request.block_hashes)
+    retag_block_hashes(request, start_token=2 * 16 + 3, hash_block_size=16)
+    assert request.block_hashes[:2] == original[:2]  # exact prefix blocks keep their hashes
+    assert all(new != old for new, old in zip(request.block_hashes[2:], original[2:]))
+    assert len(set(request.block_hashes)) == 5
+    assert all(isinstance(h, bytes) and len(h) == 32 for h in request.block_hashes)
