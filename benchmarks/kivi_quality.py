@@ -9,7 +9,8 @@ predicted prompt tokens (vLLM ``prompt_logprobs``).
         --model ~/.cache/vllm-accel/models/qwen2.5-coder-0.5b-instruct \
         --window 1024 --count 2 --dtypes auto,kivi_4bit,kivi_2bit
 
-Options: ``--max-num-batched-tokens`` (force chunked prefill), ``--json OUT`` (write results).
+Options: ``--max-num-batched-tokens`` (force chunked prefill), ``--json OUT`` (write results),
+``--dtype`` (model dtype, default bfloat16).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.2)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--dtype", default="bfloat16",
+                    help="model dtype (float32 avoids bf16 emulation on CPUs without AVX512-BF16)")
     args = ap.parse_args()
 
     from transformers import AutoTokenizer
@@ -44,7 +47,7 @@ def main() -> None:
     windows = build_windows(tok, args.window, args.count)
     results, per_window, logprobs = {}, {}, {}
     for dt in args.dtypes.split(","):
-        engine = dict(model=model, dtype="bfloat16", kv_cache_dtype=dt,
+        engine = dict(model=model, dtype=args.dtype, kv_cache_dtype=dt,
                       max_model_len=args.window + 64, seed=0,
                       gpu_memory_utilization=args.gpu_memory_utilization)
         if args.max_num_batched_tokens:

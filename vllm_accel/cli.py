@@ -1,8 +1,10 @@
-"""The ``vllm-accel`` command line: doctor, fetch-model, bench, demo, datastore, serve."""
+"""The ``vllm-accel`` command line: doctor, fetch-model, bench, demo, datastore, precompute,
+serve."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -52,9 +54,11 @@ def _bench(args: argparse.Namespace) -> int:
 
     if args.feature == "spec-decode":
         return _bench_spec_decode(args)
+    if args.feature == "chunk-reuse":
+        return _bench_chunk_reuse(args)
     if args.feature not in FEATURES:
         print(f"vllm-accel bench: unknown feature {args.feature!r}; choose one of "
-              f"{', '.join([*FEATURES, 'spec-decode'])}", file=sys.stderr)
+              f"{', '.join([*FEATURES, 'spec-decode', 'chunk-reuse'])}", file=sys.stderr)
         return 2
     feature = FEATURES[args.feature]
     try:
@@ -115,6 +119,88 @@ def _bench_spec_decode(args: argparse.Namespace) -> int:
     if args.plot:
         spec_decode.write_plot(result, args.plot)
         print(f"wrote {args.plot}")
+    return 0
+
+
+def _bench_chunk_reuse(args: argparse.Namespace) -> int:
+    """``bench chunk-reuse``: full recompute vs prefix caching vs ChunkReuseConnector policies."""
+    from vllm_accel.bench import chunk_reuse
+    from vllm_accel.bench.features import plan_with_overrides
+    from vllm_accel.bench.harness import BenchError
+    from vllm_accel.bench.report import write_json
+    from vllm_accel.models import QUALITY_MODEL, UnknownModelError
+
+    try:
+        plan = plan_with_overrides(chunk_reuse.QUICK if args.quick else chunk_reuse.FULL,
+                                   args.set)
+    except ValueError as exc:
+        print(f"vllm-accel {exc}", file=sys.stderr)
+        return 2
+    try:
+        model_dir, model_name = _model_dir_and_name(args.model or QUALITY_MODEL)
+    except UnknownModelError as exc:
+        print(f"vllm-accel bench: {exc}", file=sys.stderr)
+        return 2
+    try:
+        result = chunk_reuse.run(model_dir, model_name, plan, args.gpu_memory_utilization,
+                                 Path(args.log_dir))
+    except (BenchError, ValueError) as exc:
+        print(f"vllm-accel bench: {exc}", file=sys.stderr)
+        return 1
+    print(chunk_reuse.table(result))
+    if args.json:
+        write_json(result, args.json)
+        print(f"wrote {args.json}")
+    if args.plot:
+        chunk_reuse.write_plot(result, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _precompute(args: argparse.Namespace) -> int:
+    """``precompute``: save each document of a directory as a chunk in persistent stores."""
+    from vllm_accel import precompute
+    from vllm_accel.models import UnknownModelError
+
+    try:
+        stores = precompute.check_stores(args.stores)
+        precompute.find_documents(args.docs)
+        model_dir, _ = _model_dir_and_name(args.model)
+        result = precompute.run(model_dir, args.docs, stores, recompute=args.recompute,
+                                separator=args.chunk_separator, dtype=args.dtype,
+                                max_model_len=args.max_model_len,
+                                gpu_memory_utilization=args.gpu_memory_utilization,
+                                log_path=Path(args.log_dir) / "precompute.log")
+    except (precompute.PrecomputeError, UnknownModelError) as exc:
+        print(f"vllm-accel precompute: {exc}", file=sys.stderr)
+        return 2
+    except precompute.EngineFailed as exc:
+        print(f"vllm-accel precompute: {exc}", file=sys.stderr)
+        return 1
+    for why in result.skipped:
+        print(f"skipped {why}", file=sys.stderr)
+    saved = "unknown (no connector counters in the log)" if result.saved_chunks is None \
+        else str(result.saved_chunks)
+    print(f"{result.documents} documents in {result.seconds:.0f} s: saved {saved} chunks"
+          + (f", {result.already_stored} already stored" if result.already_stored else ""))
+    for tier, stats in (result.store_stats or {}).items():
+        if tier not in ("memory", "total"):  # the persistent tiers
+            print(f"{tier} tier: {stats.get('bytes_written', 0) / 2**20:.1f} MiB written, "
+                  f"{int(stats.get('errors', 0))} errors")
+    dropped = (result.store_stats or {}).get("total", {}).get("dropped_writes", 0)
+    if dropped:
+        print(f"warning: {int(dropped)} background writes were dropped (write queue full)",
+              file=sys.stderr)
+    for path, (before, after) in result.disk_chunks.items():
+        print(f"disk store {Path(path).resolve()}: {after} chunks ({after - before:+d})")
+    for spec in stores:
+        if spec.startswith(("redis://", "rediss://")):
+            print(f"redis store {spec}")
+    print(f"engine log: {result.log_path}")
+    serving = precompute.kv_transfer_config(stores if "memory" in stores else ["memory", *stores],
+                                            args.recompute, args.chunk_separator)
+    print(f"serve with: vllm-accel serve {model_dir} --dtype {args.dtype} --kv-transfer-config "
+          f"'{json.dumps(serving)}'")
     return 0
 
 
@@ -211,6 +297,8 @@ def _serve(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from vllm_accel.precompute import EPILOG as PRECOMPUTE_EPILOG
+
     parser = argparse.ArgumentParser(prog="vllm-accel", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("doctor", help="what is installed, registered and active; what can run here")
@@ -242,6 +330,28 @@ def build_parser() -> argparse.ArgumentParser:
                        "Hugging Face name (its tokenizer is used)")
     build.add_argument("--corpus", required=True, nargs="+", help="text files or directories")
     build.add_argument("--out", required=True, help="datastore file to write (+ .manifest.json)")
+    p = sub.add_parser(
+        "precompute", help="fill a ChunkReuseConnector store from a directory of documents",
+        description="Save each *.txt / *.md file of --docs (sorted) as one reusable chunk: "
+        "an engine with ChunkReuseConnector prefills SEP + file text + SEP for each and saves "
+        "the chunk's KV into --stores.",
+        epilog=PRECOMPUTE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="catalogue name or model directory")
+    p.add_argument("--docs", required=True, help="directory of *.txt / *.md documents")
+    p.add_argument("--stores", required=True, nargs="+", metavar="STORE",
+                   help="chunk stores, at least one persistent: disk:/path, "
+                   "redis://host:port/db (memory may come first)")
+    p.add_argument("--recompute", default="epic", choices=["epic", "cacheblend", "none"],
+                   help="recompute policy (only matters for documents already stored)")
+    p.add_argument("--chunk-separator", default="auto",
+                   help="the separator token (default: the model's file separator); serving "
+                   "must use the same")
+    p.add_argument("--dtype", default="auto",
+                   help="model dtype; serving must use the same (chunks are keyed by it)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="default: the longest document + 16, rounded up to 256")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    p.add_argument("--log-dir", default="results/logs", help="engine log (precompute.log)")
     p = sub.add_parser("calibrate", help="sweep a feature's knob on a real model")
     p.add_argument("feature", choices=["speed"], help="speed: SPEED's cut")
     p.add_argument("--model", help="catalogue name or model directory (default: quality)")
@@ -261,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
         return _serve(argparse.Namespace(), argv[1:])
     args = build_parser().parse_args(argv)
     handler = {"doctor": _doctor, "fetch-model": _fetch_model, "bench": _bench,
-               "demo": _demo, "datastore": _datastore, "calibrate": _calibrate}[args.command]
+               "demo": _demo, "datastore": _datastore, "precompute": _precompute,
+               "calibrate": _calibrate}[args.command]
     return handler(args)
 
 
