@@ -53,9 +53,9 @@ def _bench(args: argparse.Namespace) -> int:
     from vllm_accel.models import UnknownModelError
 
     if args.feature == "spec-decode":
-        return _bench_spec_decode(args)
+        return _bench_own_runner("spec_decode", args)
     if args.feature == "chunk-reuse":
-        return _bench_chunk_reuse(args)
+        return _bench_own_runner("chunk_reuse", args)
     if args.feature not in FEATURES:
         print(f"vllm-accel bench: unknown feature {args.feature!r}; choose one of "
               f"{', '.join([*FEATURES, 'spec-decode', 'chunk-reuse'])}", file=sys.stderr)
@@ -87,17 +87,21 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench_spec_decode(args: argparse.Namespace) -> int:
-    """``bench spec-decode``: no speculation vs vLLM ngram vs vllm_accel's proposers, same run."""
-    from vllm_accel.bench import spec_decode
+def _bench_own_runner(name: str, args: argparse.Namespace) -> int:
+    """Benches with their own runner (``vllm_accel.bench.<name>``: QUICK/FULL plans, ``run``,
+    ``table``, ``write_plot``): ``spec-decode`` (no speculation vs vLLM ngram vs vllm_accel's
+    proposers) and ``chunk-reuse`` (full recompute vs prefix caching vs the connector's
+    policies), each side by side in one run."""
+    import importlib
+
     from vllm_accel.bench.features import plan_with_overrides
     from vllm_accel.bench.harness import BenchError
     from vllm_accel.bench.report import write_json
     from vllm_accel.models import QUALITY_MODEL, UnknownModelError
 
+    bench = importlib.import_module(f"vllm_accel.bench.{name}")
     try:
-        plan = plan_with_overrides(spec_decode.QUICK if args.quick else spec_decode.FULL,
-                                   args.set)
+        plan = plan_with_overrides(bench.QUICK if args.quick else bench.FULL, args.set)
     except ValueError as exc:
         print(f"vllm-accel {exc}", file=sys.stderr)
         return 2
@@ -107,52 +111,17 @@ def _bench_spec_decode(args: argparse.Namespace) -> int:
         print(f"vllm-accel bench: {exc}", file=sys.stderr)
         return 2
     try:
-        result = spec_decode.run(model_dir, model_name, plan, args.gpu_memory_utilization,
-                                 Path(args.log_dir))
-    except BenchError as exc:
-        print(f"vllm-accel bench: {exc}", file=sys.stderr)
-        return 1
-    print(spec_decode.table(result))
-    if args.json:
-        write_json(result, args.json)
-        print(f"wrote {args.json}")
-    if args.plot:
-        spec_decode.write_plot(result, args.plot)
-        print(f"wrote {args.plot}")
-    return 0
-
-
-def _bench_chunk_reuse(args: argparse.Namespace) -> int:
-    """``bench chunk-reuse``: full recompute vs prefix caching vs ChunkReuseConnector policies."""
-    from vllm_accel.bench import chunk_reuse
-    from vllm_accel.bench.features import plan_with_overrides
-    from vllm_accel.bench.harness import BenchError
-    from vllm_accel.bench.report import write_json
-    from vllm_accel.models import QUALITY_MODEL, UnknownModelError
-
-    try:
-        plan = plan_with_overrides(chunk_reuse.QUICK if args.quick else chunk_reuse.FULL,
-                                   args.set)
-    except ValueError as exc:
-        print(f"vllm-accel {exc}", file=sys.stderr)
-        return 2
-    try:
-        model_dir, model_name = _model_dir_and_name(args.model or QUALITY_MODEL)
-    except UnknownModelError as exc:
-        print(f"vllm-accel bench: {exc}", file=sys.stderr)
-        return 2
-    try:
-        result = chunk_reuse.run(model_dir, model_name, plan, args.gpu_memory_utilization,
-                                 Path(args.log_dir))
+        result = bench.run(model_dir, model_name, plan, args.gpu_memory_utilization,
+                           Path(args.log_dir))
     except (BenchError, ValueError) as exc:
         print(f"vllm-accel bench: {exc}", file=sys.stderr)
         return 1
-    print(chunk_reuse.table(result))
+    print(bench.table(result))
     if args.json:
         write_json(result, args.json)
         print(f"wrote {args.json}")
     if args.plot:
-        chunk_reuse.write_plot(result, args.plot)
+        bench.write_plot(result, args.plot)
         print(f"wrote {args.plot}")
     return 0
 
