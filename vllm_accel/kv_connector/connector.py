@@ -201,8 +201,8 @@ class ChunkReuseConnector(KVConnectorBase_V1, SupportsHMA):
                           self.block_size, self.config.min_reuse_tokens,
                           self.config.epic_tokens)
         if plan.num_external > 0 and not self._retag(state, plan):
-            plan = plan_reuse(state.chunks, request.num_prompt_tokens, num_computed_tokens,
-                              self.block_size, 1 << 62, 0)  # refuse reuse
+            plan = ReusePlan(state.chunks, local=num_computed_tokens,
+                             claim_end=num_computed_tokens)  # no reuse
         state.plan = plan
         return plan.num_external, False
 
