@@ -5,6 +5,12 @@ Every attention layer sees its post-RoPE keys and values passed through
 complete key groups quantized per channel, the unfinished group in full precision, values per
 token).  Windows are the same held-out windows as ``vllm_accel.quality.perplexity``.
 
+``--semantics decode`` scores every position as a decode step of the engine sees it instead:
+query ``i`` reads quantized keys only of the groups complete by position ``i`` (the rest from
+the full-precision residual) and quantized values -- no key group's scale carries information
+from tokens after ``i``, which single-chunk prefill semantics allows (the group is quantized
+with its later tokens' min/max before the earlier tokens' queries attend to it).
+
     flock /tmp/cpu.lock .venv/bin/python benchmarks/kivi_fakequant_hf.py \
         --model ~/.cache/vllm-accel/models/qwen2.5-coder-0.5b-instruct --window 1024 --count 2
 
@@ -21,7 +27,24 @@ from pathlib import Path
 
 import torch
 
-MODE = {"fmt": "bf16", "key_group": None, "dump": None, "fp32": False}
+MODE = {"fmt": "bf16", "key_group": None, "dump": None, "fp32": False, "semantics": "prefill"}
+
+
+def _decode_semantics_attention(query, k, v, kq, vq, key_group, scaling):
+    """fp32 causal attention where query ``i`` sees key ``j`` quantized iff j's key group ends at
+    or before ``i`` (what a decode step at ``i`` reads after writing its own token), values
+    always quantized.  ``query [1, Hq, L, D]``; ``k, v, kq, vq [L, H_kv, D]``."""
+    q = query[0].float()
+    rep = q.shape[0] // k.shape[1]
+    exact_k, quant_k, quant_v = (
+        t.float().transpose(0, 1).repeat_interleave(rep, 0) for t in (k, kq, vq))
+    pos = torch.arange(k.shape[0])
+    i, j = pos[:, None], pos[None, :]
+    quantized = (j // key_group + 1) * key_group - 1 <= i
+    s = torch.where(quantized, q @ quant_k.transpose(1, 2), q @ exact_k.transpose(1, 2))
+    s = (s * scaling).masked_fill(j > i, float("-inf"))
+    out = torch.softmax(s, -1) @ quant_v
+    return out.transpose(0, 1).unsqueeze(0).to(query.dtype)
 
 
 def _fq_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kw):
@@ -43,6 +66,9 @@ def _fq_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
             layout = KiviLayout.preset(fmt, head_size=k.shape[-1], block_size=128,
                                        dtype=key.dtype, **over)
             kq, vq = fake_quant_kv(k, v, layout)
+            if MODE["semantics"] == "decode":
+                return _decode_semantics_attention(query, k, v, kq, vq, layout.key_group,
+                                                   scaling), None
         else:
             kq, vq = fake_quant_kv(k, v, fmt)
         cast = torch.float32 if MODE["fp32"] else key.dtype
@@ -67,6 +93,7 @@ def main() -> None:
     ap.add_argument("--count", type=int, default=2)
     ap.add_argument("--formats", default="bf16,kivi_4bit,kivi_2bit")
     ap.add_argument("--key-group", type=int, default=0)
+    ap.add_argument("--semantics", choices=("prefill", "decode"), default="prefill")
     ap.add_argument("--dump", default=None)
     ap.add_argument("--dump-format", default="bf16")
     ap.add_argument("--fp32-attention", action="store_true",
@@ -76,7 +103,7 @@ def main() -> None:
 
     from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 
-    from vllm_accel.quality.perplexity import build_windows
+    from vllm_accel.quality.perplexity import build_windows, prediction_agreement
 
     AttentionInterface.register("kivi_fq", _fq_attention)
     path = os.path.expanduser(args.model)
@@ -86,10 +113,12 @@ def main() -> None:
     windows = build_windows(tok, args.window, args.count)
     MODE["key_group"] = args.key_group or None
     MODE["fp32"] = args.fp32_attention
-    res = {}
+    MODE["semantics"] = args.semantics
+    res, predictions = {}, {}
     for fmt in args.formats.split(","):
         MODE["fmt"] = fmt
         nll, n = 0.0, 0
+        predictions[fmt] = []
         for wi, w in enumerate(windows):
             if args.dump and fmt == args.dump_format and wi == 0:
                 MODE["dump"] = []
@@ -99,16 +128,21 @@ def main() -> None:
             lp = torch.log_softmax(logits[:-1], -1).gather(1, ids[0, 1:, None])[:, 0]
             nll -= float(lp.sum())
             n += lp.numel()
+            predictions[fmt].append({"logprobs": [None, *lp.tolist()],
+                                     "top1": [None, *logits[:-1].argmax(-1).tolist()]})
             if MODE["dump"] is not None:
                 Path(args.dump).mkdir(parents=True, exist_ok=True)
                 torch.save(MODE["dump"], Path(args.dump) / "qkv.pt")
                 MODE["dump"] = None
         res[fmt] = math.exp(nll / n)
         print(json.dumps({"fmt": fmt, "ppl": res[fmt], "tokens": n}), flush=True)
-    base = res.get("bf16")
+    first = next(iter(res))
+    print(f"vs {first}, {args.semantics} semantics:")
     for fmt, p in res.items():
-        d = f"{100 * (p / base - 1):+.2f} %" if base else ""
-        print(f"{fmt:12s} ppl {p:.4f} {d}")
+        agree = prediction_agreement(predictions[first], predictions[fmt])
+        print(f"{fmt:12s} ppl {p:.4f} {100 * (p / res[first] - 1):+.2f} %  top-1 agree "
+              f"{100 * agree['top1_agreement']:5.1f} %  |dlogp| "
+              f"{agree['mean_abs_logprob_delta']:.3f}")
 
 
 if __name__ == "__main__":

@@ -1,15 +1,19 @@
-"""Perplexity of the KIVI KV-cache dtypes inside real vLLM CPU engines (auto vs kivi_4bit/2bit).
+"""Quality of the KIVI KV-cache dtypes inside real vLLM CPU engines (auto vs kivi_4bit/2bit).
 
 Each configuration runs in its own engine process (``vllm_accel.bench.engine_worker``, the same
 worker the bench harness uses), one at a time, on the same held-out windows
 (``vllm_accel.quality.perplexity.build_windows``); perplexity is ``exp(-mean log p)`` over all
-predicted prompt tokens (vLLM ``prompt_logprobs``).
+predicted prompt tokens (vLLM ``prompt_logprobs``). Next to it, against the first dtype listed
+(``auto``): top-1 agreement and mean |delta log p| per prompt token
+(``perplexity.prediction_agreement``) -- perplexity alone can fall under a lossy cache on text
+the model predicts badly (see docs/kv_quant.md).
 
     flock /tmp/cpu.lock .venv/bin/python benchmarks/kivi_quality.py \
         --model ~/.cache/vllm-accel/models/qwen2.5-coder-0.5b-instruct \
         --window 1024 --count 2 --dtypes auto,kivi_4bit,kivi_2bit
 
-Options: ``--max-num-batched-tokens`` (force chunked prefill), ``--json OUT`` (write results),
+Options: ``--max-num-batched-tokens`` (force chunked prefill), ``--json OUT`` (results with
+every window's per-token log-probs and top-1 tokens),
 ``--dtype`` (model dtype, default bfloat16).
 """
 
@@ -40,12 +44,12 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from vllm_accel.quality.perplexity import build_windows, perplexity
+    from vllm_accel.quality.perplexity import build_windows, perplexity, prediction_agreement
 
     model = os.path.expanduser(args.model)
     tok = AutoTokenizer.from_pretrained(model)
     windows = build_windows(tok, args.window, args.count)
-    results, per_window, logprobs = {}, {}, {}
+    results, per_window, logprobs, predictions = {}, {}, {}, {}
     for dt in args.dtypes.split(","):
         engine = dict(model=model, dtype=args.dtype, kv_cache_dtype=dt,
                       max_model_len=args.window + 64, seed=0,
@@ -54,7 +58,7 @@ def main() -> None:
             engine["max_num_batched_tokens"] = args.max_num_batched_tokens
         spec = {"engine": engine,
                 "env": {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
-                "tasks": [{"kind": "prompt_logprobs", "name": "ppl", "prompts": windows}]}
+                "tasks": [{"kind": "prompt_predictions", "name": "ppl", "prompts": windows}]}
         with tempfile.TemporaryDirectory() as td:
             sp, op = Path(td, "spec.json"), Path(td, "out.json")
             sp.write_text(json.dumps(spec))
@@ -66,24 +70,32 @@ def main() -> None:
                 print(r.stdout[-3000:], r.stderr[-6000:], file=sys.stderr)
                 raise SystemExit(f"engine for kv_cache_dtype={dt} failed")
             out = json.loads(op.read_text())
-        ppl = perplexity(out["tasks"]["ppl"])
+        predictions[dt] = out["tasks"]["ppl"]
+        logprobs[dt] = [w["logprobs"] for w in predictions[dt]]
+        ppl = perplexity(logprobs[dt])
         results[dt] = ppl
-        per_window[dt] = [perplexity([w]) for w in out["tasks"]["ppl"]]
-        logprobs[dt] = out["tasks"]["ppl"]
+        per_window[dt] = [perplexity([w]) for w in logprobs[dt]]
         print(json.dumps({"kv_cache_dtype": dt, "ppl": ppl, "windows": args.count,
                           "window": args.window, "wall_s": round(time.perf_counter() - t0, 1)}),
               flush=True)
-    base = results.get("auto")
-    print(f"\nmodel {Path(model).name}, {args.count} x {args.window} tokens")
+    first = next(iter(results))
+    base = results[first]
+    agreement = {dt: prediction_agreement(predictions[first], predictions[dt])
+                 for dt in results if dt != first}
+    print(f"\nmodel {Path(model).name}, {args.count} x {args.window} tokens, vs {first}")
     for dt, p in results.items():
-        rel = f"{100 * (p / base - 1):+.2f} %" if base else ""
+        rel = f"{100 * (p / base - 1):+.2f} %"
+        agree = agreement.get(dt)
+        extra = (f"top-1 agree {100 * agree['top1_agreement']:5.1f} %  "
+                 f"|dlogp| {agree['mean_abs_logprob_delta']:.3f}") if agree else ""
         wins = " ".join(f"{x:.2f}" for x in per_window[dt])
-        print(f"  {dt:10s} ppl {p:8.4f}  {rel:>9s}   per window: {wins}")
+        print(f"  {dt:10s} ppl {p:8.4f}  {rel:>9s}  {extra:34s} per window: {wins}")
     if args.json:
         Path(args.json).write_text(json.dumps({"model": model, "window": args.window,
                                                "count": args.count, "ppl": results,
                                                "ppl_per_window": per_window,
-                                               "logprobs": logprobs}))
+                                               "agreement_vs_" + first: agreement,
+                                               "predictions": predictions}))
 
 
 if __name__ == "__main__":

@@ -61,6 +61,17 @@ def _bench(args: argparse.Namespace) -> int:
               f"{', '.join([*FEATURES, 'spec-decode', 'chunk-reuse'])}", file=sys.stderr)
         return 2
     feature = FEATURES[args.feature]
+    if getattr(args, "kv_cache_dtype", None):
+        if args.feature != "kv-quant":
+            print("vllm-accel bench: --kv-cache-dtype applies to the kv-quant bench only",
+                  file=sys.stderr)
+            return 2
+        import dataclasses
+
+        from vllm_accel.bench import kv_quant
+
+        feature = dataclasses.replace(feature,
+                                      accelerated=kv_quant.engine_extra(args.kv_cache_dtype))
     try:
         model_dir, model_name = _model_dir_and_name(args.model or feature.model)
     except UnknownModelError as exc:
@@ -288,6 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                            help="override a field of the plan (repeatable; lists comma-"
                            "separated), e.g. --set needle_lengths=4096,8192 --set tasks=needle")
+            p.add_argument("--kv-cache-dtype", help="kv-quant only: the quantized cache dtype "
+                           "compared with the bf16 cache (default kivi_4bit)")
         p.add_argument("--json", help="write the result as JSON here")
         p.add_argument("--plot", help="write a PNG plot here")
         p.add_argument("--gpu-memory-utilization", type=float, default=0.3)

@@ -15,6 +15,9 @@ Task kinds (``spec["tasks"]``, run in order after one warm-up request):
                     (identity checks); returns token ids, text and prompt tokens served from
                     the prefix cache.
 * ``prompt_logprobs`` — per-token log-probabilities of each prompt (perplexity).
+* ``prompt_predictions`` — per prompt ``{"logprobs": [...], "top1": [...]}``: the log-probability
+                    of each prompt token and the engine's most likely token at that position
+                    (agreement with another configuration's predictions).
 
 Worker statistics: with ``spec["stats_file"]`` (a file an accelerated backend appends one JSON
 line per engine step to, e.g. the ``sparse_prefill.stats_path`` knob), each latency record gets
@@ -103,6 +106,11 @@ def _run(engine, prompts: list[list[int]], params) -> tuple[dict[str, dict[str, 
                     rec["prompt_logprobs"] = [
                         None if entry is None else entry[tok].logprob
                         for tok, entry in zip(prompts[rec["index"]], out.prompt_logprobs)
+                    ]
+                    rec["prompt_top1"] = [
+                        None if entry is None else
+                        next((t for t, lp in entry.items() if lp.rank == 1), None)
+                        for entry in out.prompt_logprobs
                     ]
     return records, time.perf_counter() - start
 
@@ -195,6 +203,16 @@ def _prompt_logprobs(engine, prompts) -> list[list[float | None]]:
     return [records[f"req-{i}"]["prompt_logprobs"] for i in range(len(prompts))]
 
 
+def _prompt_predictions(engine, prompts) -> list[dict[str, list]]:
+    from vllm import SamplingParams
+
+    # prompt_logprobs=1: each position also carries the engine's most likely token (rank 1)
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
+    records, _ = _run(engine, prompts, params)
+    return [{"logprobs": records[f"req-{i}"]["prompt_logprobs"],
+             "top1": records[f"req-{i}"]["prompt_top1"]} for i in range(len(prompts))]
+
+
 def _platform_info() -> dict[str, Any]:
     import platform
 
@@ -248,6 +266,8 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
                             task.get("sequential", False), task.get("ignore_eos", False))
         elif kind == "prompt_logprobs":
             out = _prompt_logprobs(engine, task["prompts"])
+        elif kind == "prompt_predictions":
+            out = _prompt_predictions(engine, task["prompts"])
         else:
             raise ValueError(f"unknown task kind {kind!r}")
         result["tasks"][name] = out

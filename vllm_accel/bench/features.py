@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_accel.bench import sparse_prefill
+from vllm_accel.bench import kv_quant, sparse_prefill
 
 #: Every task a plan can run (``vllm_accel.bench.workloads``), in run order.
 ALL_TASKS = ("latency", "throughput", "identity", "needle", "retrieval", "perplexity")
@@ -68,6 +68,10 @@ class FeatureBench:
     #: ``(plan, accelerated side summary) -> {label: engine settings}``: more sides that run
     #: only the quality tasks, after the accelerated side (e.g. an oracle at the same density).
     extra_sides: Callable[[BenchPlan, dict[str, Any]], dict[str, dict[str, Any]]] | None = None
+    #: ``(baseline summary, accelerated summary) -> (ratios, quality)``: the feature's own
+    #: entries, added to the JSON next to the common ones (e.g. KV capacity of a cache dtype).
+    extra_report: Callable[[dict[str, Any], dict[str, Any]],
+                           tuple[dict[str, Any], dict[str, Any]]] | None = None
 
 
 FEATURES: dict[str, FeatureBench] = {
@@ -132,6 +136,29 @@ FEATURES: dict[str, FeatureBench] = {
                 retrieval_lengths=(2048,),
                 retrieval_kinds=("multikey",),
                 retrieval_samples=3,
+            ),
+        ),
+        FeatureBench(
+            name="kv-quant",
+            summary="--kv-cache-dtype kivi_4bit vs the bf16 cache (auto), bfloat16 models and "
+            "the same KV-cache bytes on both sides: tokens admitted, speed, quality",
+            model="qwen2.5-coder-0.5b-instruct",
+            baseline=kv_quant.engine_extra("auto"),
+            accelerated=kv_quant.engine_extra(kv_quant.DEFAULT_DTYPE),
+            extra_report=kv_quant.report,
+            # bf16 is emulated on AVX2 CPUs (slow): one 2K prompt, a 2K needle sweep, 2 windows
+            quick=BenchPlan(prompt_lengths=(2048,), output_tokens=32,
+                            tasks=("latency", "needle", "perplexity"),
+                            needle_lengths=(2048,), ppl_windows=2, ppl_window_tokens=1024),
+            full=BenchPlan(
+                prompt_lengths=(2048, 4096, 8192),
+                output_tokens=64,
+                tasks=("latency", "throughput", "needle", "retrieval", "perplexity"),
+                needle_lengths=(4096, 8192, 16384),
+                retrieval_lengths=(4096, 8192),
+                retrieval_samples=3,
+                ppl_windows=8,
+                ppl_window_tokens=1024,
             ),
         ),
     )

@@ -113,7 +113,7 @@ def summarize(result: dict[str, Any], work: Workloads) -> dict[str, Any]:
         "needle_by_case": [{"length": c.length, "depth": c.depth, "score": sc}
                            for c, sc in zip(work.needle_cases, needle_scores)],
         "retrieval": {k: sum(v) / len(v) for k, v in kinds.items()},
-        "perplexity": perplexity.perplexity(tasks["perplexity"])
+        "perplexity": perplexity.perplexity([w["logprobs"] for w in tasks["perplexity"]])
         if "perplexity" in tasks else None,
     }
 
@@ -152,6 +152,11 @@ def compare(base: dict[str, Any], accel: dict[str, Any], base_raw: dict[str, Any
                                  [o["token_ids"] for o in accel_raw["tasks"]["identity"]])
         quality["greedy_identity"] = ident["identical_fraction"]
         quality["greedy_first_divergence"] = ident["first_divergence"]
+    if "perplexity" in base_raw["tasks"] and "perplexity" in accel_raw["tasks"]:
+        agree = perplexity.prediction_agreement(base_raw["tasks"]["perplexity"],
+                                                accel_raw["tasks"]["perplexity"])
+        quality["top1_agreement"] = agree["top1_agreement"]
+        quality["mean_abs_logprob_delta"] = agree["mean_abs_logprob_delta"]
     quality.update({
         "needle_baseline": base["needle_accuracy"],
         "needle_accelerated": accel["needle_accuracy"],
@@ -210,6 +215,10 @@ def run_feature(feature: FeatureBench, plan: BenchPlan, model_dir: str, model_na
         run(label, extra, work.tasks)
     ratios, quality = compare(sides["baseline"], sides["accelerated"], raw["baseline"],
                               raw["accelerated"])
+    if feature.extra_report is not None:
+        more_ratios, more_quality = feature.extra_report(sides["baseline"], sides["accelerated"])
+        ratios.update(more_ratios)
+        quality.update(more_quality)
     extra_sides = {}
     if plan.extra_sides and feature.extra_sides is not None:
         extra_sides = feature.extra_sides(plan, sides["accelerated"])

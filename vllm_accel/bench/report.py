@@ -66,6 +66,9 @@ def table(result: dict[str, Any]) -> str:
         rows.append(("perplexity", _fmt(q["perplexity_baseline"]),
                      _fmt(q["perplexity_accelerated"]),
                      f"{q['perplexity_accelerated'] / q['perplexity_baseline'] - 1:+.1%}"))
+    if q.get("top1_agreement") is not None:
+        rows.append(("top-1 agreement with baseline", "", f"{q['top1_agreement']:.1%}",
+                     f"mean |d log p| {q['mean_abs_logprob_delta']:.3f}"))
     if "greedy_identity" in q:
         rows.append(("greedy-identical outputs", "", f"{q['greedy_identity']:.0%}", ""))
     widths = [max(len(row[i]) for row in rows) for i in range(4)]

@@ -53,7 +53,7 @@ def build(tokenizer, plan: BenchPlan, seed: int = 0) -> Workloads:
          "max_tokens": 24},
         {"kind": "generate", "name": "retrieval", "prompts": [c.prompt_ids for c in retrievals],
          "max_tokens": 40},
-        {"kind": "prompt_logprobs", "name": "perplexity", "prompts": windows},
+        {"kind": "prompt_predictions", "name": "perplexity", "prompts": windows},
     ]
     tasks = [t for t in tasks if t["name"] in plan.tasks and t["prompts"]]
     if "needle" not in plan.tasks:

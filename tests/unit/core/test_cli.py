@@ -31,6 +31,40 @@ def test_bench_unknown_model(capsys):
     assert "unknown model 'nope'" in capsys.readouterr().err
 
 
+def test_bench_kv_cache_dtype_is_a_kv_quant_option(capsys, monkeypatch):
+    from vllm_accel.bench import harness
+
+    assert cli.main(["bench", "base", "--kv-cache-dtype", "kivi_2bit"]) == 2
+    assert "--kv-cache-dtype applies to the kv-quant bench only" in capsys.readouterr().err
+    seen = {}
+
+    def fake_run_feature(feature, *args):
+        seen.update(baseline=feature.baseline, accelerated=feature.accelerated)
+        raise harness.BenchError("stop here")
+
+    monkeypatch.setattr(cli, "_model_dir_and_name", lambda model: ("/m", model))
+    monkeypatch.setattr(harness, "run_feature", fake_run_feature)
+    assert cli.main(["bench", "kv-quant", "--quick", "--kv-cache-dtype", "kivi_2bit"]) == 1
+    assert seen["accelerated"]["kv_cache_dtype"] == "kivi_2bit"
+    assert seen["baseline"]["kv_cache_dtype"] == "auto"
+    # same model dtype and KV-cache bytes on both sides: block counts compare capacity
+    for key in ("dtype", "kv_cache_memory_bytes"):
+        assert seen["accelerated"][key] == seen["baseline"][key]
+
+
+def test_kv_quant_report_capacity_from_blocks():
+    from vllm_accel.bench import kv_quant
+
+    engine = {"kv_cache_memory_bytes": 1 << 20}
+    base = {"num_kv_blocks": 4, "block_size": 128, "engine": engine, "perplexity": 10.0}
+    quant = {"num_kv_blocks": 14, "block_size": 128, "engine": engine, "perplexity": 10.2}
+    ratios, quality = kv_quant.report(base, quant)
+    assert ratios["kv_capacity_ratio"] == pytest.approx(3.5)
+    assert ratios["kv_bytes_per_token_baseline"] == pytest.approx((1 << 20) / 512)
+    assert ratios["kv_tokens_quant"] == 14 * 128
+    assert quality == {"ppl_bf16": 10.0, "ppl_quant": 10.2}
+
+
 def test_doctor_lists_backends_and_patches(capsys):
     assert cli.main(["doctor"]) == 0
     out = capsys.readouterr().out
@@ -53,10 +87,12 @@ def test_report_renders_table_json_and_plot(tmp_path):
                    "kv_memory_reduction": 0.2},
         "quality": {"greedy_identity": 1.0, "needle_baseline": 1.0, "needle_accelerated": 0.8,
                     "perplexity_baseline": 10.0, "perplexity_accelerated": 10.5,
-                    "multikey_baseline": 0.5, "multikey_accelerated": 0.5},
+                    "multikey_baseline": 0.5, "multikey_accelerated": 0.5,
+                    "top1_agreement": 0.9, "mean_abs_logprob_delta": 0.25},
     }
     text = report.table(result)
     assert "TTFT @ 512 tok" in text and "2.00x" in text and "+5.0%" in text
+    assert "top-1 agreement with baseline" in text and "90.0%" in text
     report.write_json(result, tmp_path / "r.json")
     assert json.loads((tmp_path / "r.json").read_text())["ratios"]["ttft_speedup"] == 2.0
     pytest.importorskip("matplotlib")

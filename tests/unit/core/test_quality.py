@@ -53,6 +53,19 @@ def test_perplexity_math():
         perplexity.perplexity([[None]])
 
 
+def test_prediction_agreement_counts_top1_matches_and_logprob_drift():
+    base = [{"logprobs": [None, -1.0, -2.0, -3.0], "top1": [None, 5, 6, 7]}]
+    same = perplexity.prediction_agreement(base, base)
+    assert same == {"top1_agreement": 1.0, "mean_abs_logprob_delta": 0.0, "positions": 3}
+    # a test run that is *more* confident in the prompt tokens still counts as drift
+    test = [{"logprobs": [None, -0.5, -2.0, -4.0], "top1": [None, 5, 9, 7]}]
+    got = perplexity.prediction_agreement(base, test)
+    assert got["top1_agreement"] == pytest.approx(2 / 3)
+    assert got["mean_abs_logprob_delta"] == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="differ in length"):
+        perplexity.prediction_agreement(base, [{"logprobs": [None], "top1": [None]}])
+
+
 def test_heldout_windows_do_not_overlap_the_haystack(tokenizer):
     from vllm_accel.quality import data
 

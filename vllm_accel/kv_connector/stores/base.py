@@ -14,6 +14,7 @@ import re
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -148,6 +149,23 @@ class FaultLog:
         )
 
 
+def guarded_put(key: str, chunk: ChunkKV, stats: StoreStats, fault: FaultLog,
+                write: Callable[[], None]) -> None:
+    """The ``put`` contract every store keeps: refuse a bad key or chunk (counted as an error),
+    run ``write``, turn any exception into a counted fault, and time the call."""
+    start = time.perf_counter()
+    try:
+        refusal = put_refusal(key, chunk)
+        if refusal is not None:
+            fault("errors", refusal)
+            return
+        write()
+    except Exception as exc:  # the contract: never raise
+        fault("errors", f"put {key[:16]} failed", exc)
+    finally:
+        stats.add(put_seconds=time.perf_counter() - start)
+
+
 class ChunkStore(ABC):
     """A key -> :class:`ChunkKV` cache whose public methods never raise."""
 
@@ -168,18 +186,11 @@ class ChunkStore(ABC):
             self._stats.add(get_seconds=time.perf_counter() - start)
 
     def put(self, key: str, chunk: ChunkKV) -> None:
-        start = time.perf_counter()
-        try:
-            refusal = put_refusal(key, chunk)
-            if refusal is not None:
-                self._fault("errors", refusal)
-                return
+        def write() -> None:
             if self._store(key, chunk):
                 self._stats.add(puts=1, bytes_written=chunk.nbytes())
-        except Exception as exc:  # the contract: never raise
-            self._fault("errors", f"put {key[:16]} failed", exc)
-        finally:
-            self._stats.add(put_seconds=time.perf_counter() - start)
+
+        guarded_put(key, chunk, self._stats, self._fault, write)
 
     def contains(self, key: str) -> bool:
         if not _KEY_RE.fullmatch(key):

@@ -17,7 +17,7 @@ from vllm_accel.kv_connector.stores.base import (
     ChunkStore,
     FaultLog,
     StoreStats,
-    put_refusal,
+    guarded_put,
 )
 
 # Counters the tiers keep that are summed into the totals; the TieredStore keeps the others
@@ -68,19 +68,12 @@ class TieredStore:
             self._stats.add(get_seconds=time.perf_counter() - start)
 
     def put(self, key: str, chunk: ChunkKV) -> None:
-        start = time.perf_counter()
-        try:
-            refusal = put_refusal(key, chunk)
-            if refusal is not None:
-                self._fault("errors", refusal)
-                return
+        def write() -> None:
             # One private copy, shared by all tiers: the caller may reuse its buffers at once.
             self._write(key, chunk.to_owned(), self.tiers)
             self._stats.add(puts=1)
-        except Exception as exc:  # the contract: never raise
-            self._fault("errors", f"put {key[:16]} failed", exc)
-        finally:
-            self._stats.add(put_seconds=time.perf_counter() - start)
+
+        guarded_put(key, chunk, self._stats, self._fault, write)
 
     def contains(self, key: str) -> bool:
         return any(tier.contains(key) for tier in self.tiers)
