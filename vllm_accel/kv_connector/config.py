@@ -52,6 +52,9 @@ class ChunkReuseConfig:
     min_reuse_tokens: int = 64
     #: Save chunks seen for the first time (``False``: read-only, e.g. a precomputed store).
     save_new_chunks: bool = True
+    #: Seconds between the counter log lines of each side (``0``: after every step / finished
+    #: request); a last line is logged at shutdown.
+    log_interval_s: float = 10.0
 
     @property
     def memory_bytes(self) -> int:
@@ -69,6 +72,8 @@ class ChunkReuseConfig:
             bad["epic_tokens"] = "must be in [0, 4096]"
         if not 0.0 <= self.recompute_ratio <= 1.0:
             bad["recompute_ratio"] = "must be in [0, 1]"
+        if self.log_interval_s < 0:
+            bad["log_interval_s"] = "must be >= 0"
         if self.min_reuse_tokens < 1:
             bad["min_reuse_tokens"] = "must be >= 1"
         if not isinstance(self.chunk_separator, str) or not self.chunk_separator:

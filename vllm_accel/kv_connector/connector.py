@@ -145,7 +145,7 @@ class ChunkReuseConnector(KVConnectorBase_V1, SupportsHMA):
             self.store = shared_store(list(self.config.stores), self.config.memory_bytes)
         except ValueError as exc:  # a bad store spec fails at start-up, naming the knob
             raise ValueError(f"{knob('stores')}: {exc}") from None
-        self.counters = ReuseCounters(role.name.lower())
+        self.counters = ReuseCounters(role.name.lower(), self.config.log_interval_s)
         self._requests: dict[str, _RequestState] = {}
         self._layers: list[PagedLayerKV] | None = None
         self._kv_caches: dict[str, torch.Tensor] = {}
@@ -276,6 +276,7 @@ class ChunkReuseConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished_all_groups(self, request: Request,
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
         self._requests.pop(request.request_id, None)
+        self.counters.maybe_log(self.store)
         return False, None
 
     def request_finished(self, request: Request,

@@ -2,7 +2,8 @@
 
 Each role keeps :class:`ReuseCounters` (the scheduler: requests with chunks, claimed / hit / miss
 tokens, markup errors; the worker: loaded and saved bytes, recompute work in token-layers, load
-failures) and logs them with the stores' counters every :data:`LOG_INTERVAL_S` and at shutdown.
+failures) and logs them with the stores' counters every ``log_interval_s`` (a connector knob) and
+at shutdown.
 The worker also hands vLLM the per-step increments (:class:`ChunkReuseStats`), which vLLM ships
 to the API process and records in the ``vllm:chunk_reuse_*`` counters
 (:class:`ChunkReusePromMetrics`), next to vLLM's own ``/metrics``.
@@ -24,7 +25,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm_accel.log import get_logger
 
 logger = get_logger("kv_connector")
-LOG_INTERVAL_S = 10.0
 
 #: Prometheus counter -> (increment key, help text). Keys are worker counters, or ``store_*``
 #: increments of the stores' totals.
@@ -47,8 +47,9 @@ PROM_COUNTERS = {
 
 
 class ReuseCounters:
-    def __init__(self, side: str):
+    def __init__(self, side: str, log_interval_s: float = 10.0):
         self.side = side
+        self.log_interval_s = log_interval_s
         self._values: dict[str, float] = defaultdict(float)
         self._taken: dict[str, float] = {}
         self._store_taken: dict[str, float] = {}
@@ -83,7 +84,7 @@ class ReuseCounters:
 
     def maybe_log(self, store: Any = None, force: bool = False) -> None:
         now = time.monotonic()
-        if not force and now - self._last_log < LOG_INTERVAL_S:
+        if not force and now - self._last_log < self.log_interval_s:
             return
         self._last_log = now
         values = self.snapshot()

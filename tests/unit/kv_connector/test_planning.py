@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from vllm_accel.kv_connector.chunking import (
@@ -98,9 +100,25 @@ def test_config_errors_name_the_knob():
     assert parse_config({"stores": "memory", "recompute": "cacheblend"}).stores == ("memory",)
     for bad, name in [({"recompute": "all"}, "recompute"), ({"recompute_ratio": 2}, "ratio"),
                       ({"epic_tokens": 1.5}, "epic_tokens"), ({"stores": []}, "stores"),
-                      ({"recompute_policy": "epic"}, "recompute_policy")]:
+                      ({"recompute_policy": "epic"}, "recompute_policy"),
+                      ({"log_interval_s": -1}, "log_interval_s")]:
         with pytest.raises(ChunkReuseConfigError, match=name):
             parse_config(bad)
+
+
+def test_counters_log_at_their_interval(caplog):
+    pytest.importorskip("vllm")
+    from vllm_accel.kv_connector.metrics import ReuseCounters
+
+    caplog.set_level(logging.INFO, logger="vllm.accel")
+    every, hourly = ReuseCounters("scheduler", 0.0), ReuseCounters("worker", 3600.0)
+    for counters in (every, hourly):
+        counters.add("reused_requests")
+        counters.maybe_log()
+    lines = [r.getMessage() for r in caplog.records if "chunk reuse" in r.getMessage()]
+    assert lines == ["chunk reuse (scheduler): reused_requests=1; stores: {}"]
+    hourly.maybe_log(force=True)  # shutdown
+    assert "chunk reuse (worker): reused_requests=1" in caplog.records[-1].getMessage()
 
 
 def test_retagging_moves_blended_blocks_off_the_exact_chain():
