@@ -30,10 +30,10 @@ import torch
 MODE = {"fmt": "bf16", "key_group": None, "dump": None, "fp32": False, "semantics": "prefill"}
 
 
-def _decode_semantics_attention(query, k, v, kq, vq, key_group, scaling):
+def _decode_semantics_attention(query, k, kq, vq, key_group, scaling):
     """fp32 causal attention where query ``i`` sees key ``j`` quantized iff j's key group ends at
     or before ``i`` (what a decode step at ``i`` reads after writing its own token), values
-    always quantized.  ``query [1, Hq, L, D]``; ``k, v, kq, vq [L, H_kv, D]``."""
+    always quantized.  ``query [1, Hq, L, D]``; ``k, kq, vq [L, H_kv, D]``."""
     q = query[0].float()
     rep = q.shape[0] // k.shape[1]
     exact_k, quant_k, quant_v = (
@@ -67,7 +67,7 @@ def _fq_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
                                        dtype=key.dtype, **over)
             kq, vq = fake_quant_kv(k, v, layout)
             if MODE["semantics"] == "decode":
-                return _decode_semantics_attention(query, k, v, kq, vq, layout.key_group,
+                return _decode_semantics_attention(query, k, kq, vq, layout.key_group,
                                                    scaling), None
         else:
             kq, vq = fake_quant_kv(k, v, fmt)

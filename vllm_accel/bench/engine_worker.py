@@ -14,10 +14,9 @@ Task kinds (``spec["tasks"]``, run in order after one warm-up request):
 * ``generate``    — greedy; all prompts at once, or one at a time with ``"sequential": true``
                     (identity checks); returns token ids, text and prompt tokens served from
                     the prefix cache.
-* ``prompt_logprobs`` — per-token log-probabilities of each prompt (perplexity).
 * ``prompt_predictions`` — per prompt ``{"logprobs": [...], "top1": [...]}``: the log-probability
-                    of each prompt token and the engine's most likely token at that position
-                    (agreement with another configuration's predictions).
+                    of each prompt token (perplexity) and the engine's most likely token at
+                    that position (agreement with another configuration's predictions).
 
 Worker statistics: with ``spec["stats_file"]`` (a file an accelerated backend appends one JSON
 line per engine step to, e.g. the ``sparse_prefill.stats_path`` knob), each latency record gets
@@ -195,14 +194,6 @@ def _generate(engine, prompts, max_tokens, sequential: bool,
     return outputs
 
 
-def _prompt_logprobs(engine, prompts) -> list[list[float | None]]:
-    from vllm import SamplingParams
-
-    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
-    records, _ = _run(engine, prompts, params)
-    return [records[f"req-{i}"]["prompt_logprobs"] for i in range(len(prompts))]
-
-
 def _prompt_predictions(engine, prompts) -> list[dict[str, list]]:
     from vllm import SamplingParams
 
@@ -264,8 +255,6 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
         elif kind == "generate":
             out = _generate(engine, task["prompts"], task["max_tokens"],
                             task.get("sequential", False), task.get("ignore_eos", False))
-        elif kind == "prompt_logprobs":
-            out = _prompt_logprobs(engine, task["prompts"])
         elif kind == "prompt_predictions":
             out = _prompt_predictions(engine, task["prompts"])
         else:
