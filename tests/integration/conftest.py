@@ -17,13 +17,14 @@ def pytest_collection_modifyitems(items):
 
 @pytest.fixture
 def generate(tmp_path):
-    """generate(label, model_dir, prompts_ids, max_tokens, **engine) -> (outputs, log text)."""
+    """generate(label, model_dir, prompts_ids, max_tokens, sequential=True, **engine) ->
+    (outputs, log text); ``sequential=False`` sends all prompts as one batch."""
 
     def run(label: str, model_dir: str, prompts: list[list[int]], max_tokens: int,
-            **engine: Any) -> tuple[list[dict[str, Any]], str]:
+            sequential: bool = True, **engine: Any) -> tuple[list[dict[str, Any]], str]:
         settings = engine_settings(model_dir, 2048, 0.2, engine)
         task = {"kind": "generate", "name": "out", "prompts": prompts, "max_tokens": max_tokens,
-                "sequential": True}
+                "sequential": sequential}
         result = run_side(label, settings, [task], timeout_s=900, log_dir=tmp_path)
         return result["tasks"]["out"], Path(tmp_path, f"{label}.log").read_text()
 

@@ -1,9 +1,10 @@
 """--kv-cache-dtype kivi_4bit inside real vLLM CPU engines: selected automatically, counts the
 real page bytes, answers correctly on the real model, and refuses bad settings at start-up.
 
-Capacity: the residual keys of each sequence's unfinished 64-token key group live in the page
-(``residual="page"``), so kivi_4bit stores 136 B per token and KV head at head size 64 and block
-128 against bf16's 256 B: 1.88x the tokens (not the 3.5x of the external-tail variant).
+Capacity: the residual keys of each running request's unfinished 64-token key group live in the
+residual pool (``residual="tail"``, the default), so kivi_4bit pages store 72 B per token and KV
+head at head size 64 against bf16's 256 B: 3.56x the tokens. ``residual="page"`` keeps them in
+every page instead (136 B, 1.88x) and must give the same tokens.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from vllm_accel.bench.harness import BenchError
 from vllm_accel.quality.prompts import chat_ids, load_tokenizer
 
 KV_TOKENS = re.compile(r"KV cache size: ([\d,]+) tokens")
-PAGE_RESIDUAL_RATIO_4BIT = 256 / 136
+TAIL_RESIDUAL_RATIO_4BIT = 256 / 72
+PAGE_RESIDUAL = {"additional_config": {"vllm_accel": {"kv_quant": {"residual": "page"}}}}
 
 
 def kv_cache_tokens(log: str) -> int:
@@ -31,10 +33,26 @@ def test_tiny_model_kivi_4bit_selects_backend_and_counts_page_bytes(generate, ti
     kivi, log = generate("kivi_4bit", tiny_llama, prompts, 16, kv_cache_dtype="kivi_4bit")
     assert "--kv-cache-dtype kivi_4bit: selecting the ACCEL_KIVI_4BIT attention backend" in log
     assert "Using ACCEL_KIVI_4BIT backend on CPU" in log
-    assert "136 B/token/head" in log  # the page format the impl runs with
+    assert "72 B/token/head" in log  # the page format the impl runs with
+    assert "KIVI residual pool: " in log
     assert all(len(o["token_ids"]) == 16 for o in kivi)
     ratio = kv_cache_tokens(log) / kv_cache_tokens(base_log)
-    assert ratio == pytest.approx(PAGE_RESIDUAL_RATIO_4BIT, rel=0.01)
+    assert ratio == pytest.approx(TAIL_RESIDUAL_RATIO_4BIT, rel=0.01)
+
+
+def test_residual_pool_gives_the_tokens_of_in_page_residuals(generate, tiny_llama):
+    """Six prompts of different lengths, batched, at most three running: the last three take
+    the pool slots of the first three once those finish. The pool holds the same bf16 keys the
+    page residual area would, so greedy tokens must be identical. (Rows that move between
+    steps: tests/unit/kv_quant/test_impl.py.)"""
+    prompts = [[(7 * i + 3 * j) % 500 + 1 for j in range(length)]
+               for i, length in enumerate((5, 70, 130, 40, 200, 64))]
+    engine = dict(kv_cache_dtype="kivi_4bit", max_num_seqs=3)
+    tail, tail_log = generate("tail", tiny_llama, prompts, 24, **engine, sequential=False)
+    page, page_log = generate("page", tiny_llama, prompts, 24, **engine, **PAGE_RESIDUAL,
+                              sequential=False)
+    assert "residual=tail" in tail_log and "residual=page" in page_log
+    assert [o["token_ids"] for o in tail] == [o["token_ids"] for o in page]
 
 
 @pytest.mark.real_model

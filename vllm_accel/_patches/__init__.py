@@ -34,20 +34,21 @@ def on_demand_patches() -> list[RuntimePatch]:
     module takes ~8 s to import: applying them from the plugin would add that to every vLLM
     process (API server, engine front-end), so the proposers that need them apply them when
     the model runner builds them (``SAMProposer``: the input batch; ``RecyclingProposer``: the
-    target's logits; ``HybridProposer``: both); ``attention_prompt_lens`` (every request's
-    prompt length for attention builders) is applied by the SPEED model in the worker. Every
+    target's logits; ``HybridProposer``: both); ``attention_step_requests`` (every request's
+    prompt length and id for attention builders) is applied by the SPEED model and the KIVI
+    builder in the worker. Every
     proposer also applies ``cpu_rejection_expand`` (vLLM's CPU build verifies drafts with
     uninitialised temperature / top-k / top-p without it).
     """
     from vllm_accel._patches import (
-        attention_prompt_lens,
+        attention_step_requests,
         cpu_rejection_expand,
         proposer_input_batch,
         proposer_target_logits,
     )
 
     return [proposer_input_batch.PATCH, proposer_target_logits.PATCH,
-            cpu_rejection_expand.PATCH, attention_prompt_lens.PATCH]
+            cpu_rejection_expand.PATCH, attention_step_requests.PATCH]
 
 
 def all_patches() -> list[RuntimePatch]:

@@ -1,24 +1,50 @@
 """Per-request facts of the current engine step that vLLM 0.32 does not give attention builders.
 
-``CommonAttentionMetadata`` carries each request's prompt length only for R-SWA models
-(``rswa_prefix_lens``). SPEED's upper layers need it for every model: a token runs them only
-if it is an anchor, the last prompt token or a decode token. The runtime patch
-``vllm_accel._patches.attention_prompt_lens`` publishes the input batch's prompt lengths here
-while the runner builds the step's attention metadata; builders read them with
-:func:`prompt_lens`. No vLLM import.
+* **Prompt lengths.** ``CommonAttentionMetadata`` carries them only for R-SWA models
+  (``rswa_prefix_lens``). SPEED's upper layers need them for every model: a token runs them only
+  if it is an anchor, the last prompt token or a decode token.
+* **Request ids.** Builders see batch rows, not requests, and rows move between steps. KIVI's
+  residual pool (``--kv-cache-dtype kivi_*``) keeps one entry per running request and must know
+  which request each row is, and which requests the runner still holds (running or preempted):
+  the others' entries are free.
+
+The runtime patch ``vllm_accel._patches.attention_step_requests`` publishes them here while the
+runner builds the step's attention metadata; builders read them with :func:`prompt_lens`,
+:func:`row_req_ids` and :func:`live_req_ids`. No vLLM import.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
 import torch
 
-_current: dict[str, torch.Tensor | None] = {"prompt_lens": None}
+PATCH_NAME = "vllm_accel._patches.attention_step_requests"
 
 
-def publish_prompt_lens(prompt_lens: torch.Tensor | None) -> None:
-    """Set (a CPU int tensor, one entry per batch row) or clear (None) the step's prompt
-    lengths."""
-    _current["prompt_lens"] = prompt_lens
+@dataclass(frozen=True)
+class StepRequests:
+    prompt_lens: torch.Tensor  # CPU int, one entry per batch row
+    req_ids: Sequence[str | None]  # request id of each batch row (None: empty row)
+    live_req_ids: Collection[str]  # every request the runner holds state for
+
+
+_current: dict[str, StepRequests | None] = {"step": None}
+
+
+def publish(step: StepRequests | None) -> None:
+    """Set the step's requests, or clear them (None) once its metadata is built."""
+    _current["step"] = step
+
+
+def _step() -> StepRequests:
+    step = _current["step"]
+    if step is None:
+        raise RuntimeError(
+            "per-request facts were not published for this step: the runtime patch "
+            f"{PATCH_NAME} is not applied in this process")
+    return step
 
 
 def prompt_lens(num_reqs: int) -> torch.Tensor:
@@ -27,9 +53,17 @@ def prompt_lens(num_reqs: int) -> torch.Tensor:
     Raises if nothing was published: the runtime patch is not applied, and guessing would
     change the model's output silently.
     """
-    lens = _current["prompt_lens"]
-    if lens is None:
-        raise RuntimeError(
-            "per-request prompt lengths were not published for this step: the runtime patch "
-            "vllm_accel._patches.attention_prompt_lens is not applied in this process")
-    return lens[:num_reqs].to(torch.long)
+    return _step().prompt_lens[:num_reqs].to(torch.long)
+
+
+def row_req_ids(num_reqs: int) -> list[str | None]:
+    """The request id of batch rows ``0 .. num_reqs-1`` (None for a row without a request, as
+    in vLLM's dummy and profiling runs)."""
+    ids = list(_step().req_ids[:num_reqs])
+    return ids + [None] * (num_reqs - len(ids))
+
+
+def live_req_ids() -> Collection[str]:
+    """Requests the model runner still holds (scheduled, unscheduled or preempted, not
+    finished): state kept for any other request can be dropped."""
+    return _step().live_req_ids

@@ -72,6 +72,9 @@ class FeatureBench:
     #: entries, added to the JSON next to the common ones (e.g. KV capacity of a cache dtype).
     extra_report: Callable[[dict[str, Any], dict[str, Any]],
                            tuple[dict[str, Any], dict[str, Any]]] | None = None
+    #: ``(engine settings) -> engine settings``: last say on a side's settings once the model
+    #: is known (e.g. a KV budget net of the memory a cache format keeps outside it).
+    finish_engine: Callable[[dict[str, Any]], dict[str, Any]] | None = None
 
 
 FEATURES: dict[str, FeatureBench] = {
@@ -146,6 +149,7 @@ FEATURES: dict[str, FeatureBench] = {
             baseline=kv_quant.engine_extra("auto"),
             accelerated=kv_quant.engine_extra(kv_quant.DEFAULT_DTYPE),
             extra_report=kv_quant.report,
+            finish_engine=kv_quant.finish_engine,
             # bf16 is emulated on AVX2 CPUs (slow): one 2K prompt, a 2K needle sweep, 2 windows
             quick=BenchPlan(prompt_lengths=(2048,), output_tokens=32,
                             tasks=("latency", "needle", "perplexity"),

@@ -201,6 +201,8 @@ def run_feature(feature: FeatureBench, plan: BenchPlan, model_dir: str, model_na
 
     def run(label: str, extra: dict[str, Any], tasks: list[dict[str, Any]]) -> None:
         engine = engine_settings(model_dir, work.max_model_len, gpu_memory_utilization, extra)
+        if feature.finish_engine is not None:
+            engine = feature.finish_engine(engine)
         stats_file = None
         if feature.stats_section:
             stats_file = log_dir / f"{label}.stats.jsonl"

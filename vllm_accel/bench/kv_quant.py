@@ -9,8 +9,12 @@ block accounting (the page bytes come from the backend's ``customize_spec``):
 * ``accelerated``: ``--kv-cache-dtype kivi_4bit``, or the dtype given to
   ``bench kv-quant --kv-cache-dtype kivi_2bit``.
 
-``ratios.kv_capacity_ratio`` = accelerated / baseline tokens; ``ratios.kv_bytes_per_token_*``
-are the KV bytes per token (all layers) each side's cache costs. Quality (``quality.ppl_bf16``,
+The KIVI residual pool (full-precision keys of each running request's unfinished key group, one
+slot per ``--max-num-seqs``) lives outside vLLM's KV-cache budget: the accelerated side's
+``kv_cache_memory_bytes`` is the budget **minus the pool** (:func:`finish_engine`), so both sides
+use the same memory for KV. ``ratios.kv_capacity_ratio`` = accelerated / baseline tokens;
+``ratios.kv_bytes_per_token_*`` are the KV bytes per token (all layers, pool included) each
+side's cache costs; ``ratios.tail_pool_bytes`` the pool. Quality (``quality.ppl_bf16``,
 ``quality.ppl_quant``, needle/retrieval, top-1 agreement with the bf16 side) comes from the
 common tasks.
 """
@@ -22,12 +26,42 @@ from typing import Any
 DEFAULT_DTYPE = "kivi_4bit"
 MODEL_DTYPE = "bfloat16"  # the KIVI backends store a 16-bit residual: 16-bit models only
 KV_CACHE_BYTES = 1 << 30
+MAX_NUM_SEQS = 16  # more than the benchmark ever runs at once; sizes the residual pool
 
 
 def engine_extra(kv_cache_dtype: str) -> dict[str, Any]:
     """Engine settings of one side: the cache dtype, a bf16 model, a fixed KV-cache size."""
     return {"kv_cache_dtype": kv_cache_dtype, "dtype": MODEL_DTYPE,
-            "kv_cache_memory_bytes": KV_CACHE_BYTES}
+            "kv_cache_memory_bytes": KV_CACHE_BYTES, "max_num_seqs": MAX_NUM_SEQS}
+
+
+def residual_pool_bytes(engine: dict[str, Any]) -> int:
+    """Bytes of the KIVI residual pool the engine ``engine`` allocates (0 for other dtypes)."""
+    import json
+    from pathlib import Path
+
+    from vllm_accel.kernels.kivi_format import PRESETS
+    from vllm_accel.kv_quant.tail_pool import pool_bytes
+
+    dtype = engine.get("kv_cache_dtype", "auto")
+    residual = (engine.get("additional_config", {}).get("vllm_accel", {})
+                .get("kv_quant", {}).get("residual", "tail"))
+    if dtype not in PRESETS or residual != "tail":
+        return 0
+    cfg = json.loads((Path(engine["model"]) / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    return pool_bytes(
+        num_layers=cfg["num_hidden_layers"], num_kv_heads=cfg.get("num_key_value_heads", heads),
+        key_group=PRESETS[dtype]["key_group"],
+        head_size=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        max_requests=engine["max_num_seqs"],
+        entries_per_slot=2 if engine.get("speculative_config") else 1)
+
+
+def finish_engine(engine: dict[str, Any]) -> dict[str, Any]:
+    """The KV budget net of the residual pool, so both sides use the same memory."""
+    return {**engine, "kv_cache_memory_bytes":
+            engine["kv_cache_memory_bytes"] - residual_pool_bytes(engine)}
 
 
 def _tokens(side: dict[str, Any]) -> int:
@@ -39,6 +73,7 @@ def report(baseline: dict[str, Any], accelerated: dict[str, Any]
     """``kv_capacity_ratio`` and bytes per token from each side's blocks; ppl under the names
     the KV-quantization literature uses."""
     base_tokens, quant_tokens = _tokens(baseline), _tokens(accelerated)
+    pool = residual_pool_bytes(accelerated["engine"])
     ratios = {
         "kv_capacity_ratio": quant_tokens / base_tokens,
         "kv_tokens_baseline": base_tokens,
@@ -46,7 +81,8 @@ def report(baseline: dict[str, Any], accelerated: dict[str, Any]
         "kv_bytes_per_token_baseline":
             baseline["engine"]["kv_cache_memory_bytes"] / base_tokens,
         "kv_bytes_per_token_quant":
-            accelerated["engine"]["kv_cache_memory_bytes"] / quant_tokens,
+            (accelerated["engine"]["kv_cache_memory_bytes"] + pool) / quant_tokens,
+        "tail_pool_bytes": pool,
     }
     quality = {"ppl_bf16": baseline.get("perplexity"), "ppl_quant": accelerated.get("perplexity")}
     return ratios, quality

@@ -60,7 +60,7 @@ __all__ = [
     "quantize_on_write",
     "dequantize_pages",
     "gather_sequence_kv",
-    "alternating_tail_entries",
+    "tail_entries",
     "resolve_backend",
 ]
 
@@ -589,15 +589,21 @@ def quantize_on_write(
         _write_torch(key, value, views, tail, slot, entry, layout)
 
 
-def alternating_tail_entries(
+def tail_entries(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     key_group: int,
     *,
     request_slots: torch.Tensor | None = None,
+    entries_per_slot: int = 2,
     num_tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tail entries for a pool with two entries per request slot (entry ``2*slot + group % 2``).
+    """Tail entries of a pool with ``E = entries_per_slot`` entries per request slot: the key
+    group ``g`` of the request in slot ``s`` uses entry ``E*s + g % E``.
+
+    ``E = 1`` is enough when a sequence only grows; ``E = 2`` keeps the previous group's rows
+    intact when speculative decoding rolls back across a group boundary (the rejected drafts
+    completed the group and started the next one in the other entry).
 
     Args:
         query_start_loc: ``[num_seqs + 1]`` token ranges of this step's sequences.
@@ -605,19 +611,22 @@ def alternating_tail_entries(
         key_group: the layout's key group.
         request_slots: ``[num_seqs]`` stable slot of each request in the tail pool (default: the
             batch row; only valid if rows do not move between steps).
+        entries_per_slot: E (1 or 2).
         num_tokens: T (avoids a device sync; default ``query_start_loc[-1]``).
     Returns:
         ``tail_mapping [T]`` for :func:`quantize_on_write` and ``tail_index [num_seqs]`` for
         attention (the entry of the unfinished group ``seq_len // key_group``; unused when
         ``seq_len`` is a multiple of ``key_group``).
     """
+    if entries_per_slot not in (1, 2):
+        raise ValueError(f"KIVI: entries_per_slot must be 1 or 2, got {entries_per_slot}")
     dev = seq_lens.device
     qsl = query_start_loc.to(torch.int64)
     num_seqs = seq_lens.numel()
     slots = (
         torch.arange(num_seqs, device=dev)
         if request_slots is None
-        else request_slots.to(torch.int64)
+        else request_slots.to(device=dev, dtype=torch.int64)
     )
     q_lens = qsl[1:] - qsl[:-1]
     t_n = int(qsl[-1]) if num_tokens is None else num_tokens
@@ -626,8 +635,9 @@ def alternating_tail_entries(
     )
     sl = seq_lens.to(torch.int64)
     pos = sl[seq_of_tok] - q_lens[seq_of_tok] + torch.arange(t_n, device=dev) - qsl[seq_of_tok]
-    tail_mapping = 2 * slots[seq_of_tok] + (pos // key_group) % 2
-    tail_index = 2 * slots + (sl // key_group) % 2
+    e = entries_per_slot
+    tail_mapping = e * slots[seq_of_tok] + (pos // key_group) % e
+    tail_index = e * slots + (sl // key_group) % e
     return tail_mapping, tail_index
 
 

@@ -13,12 +13,13 @@ Selected automatically by ``--kv-cache-dtype kivi_4bit`` / ``kivi_2bit`` (CPU pl
   (:func:`~vllm_accel.kernels.kivi_cache.quantize_on_write`); ``forward`` runs
   :func:`~vllm_accel.kernels.kivi_attention.kivi_paged_attention` (torch path on CPU).
 
-Residual placement: ``residual="page"`` (see :mod:`vllm_accel.kv_quant.config`): the keys of a
-sequence's unfinished 64-token key group stay in bf16 in a residual area of the page itself. Pages
-are self-contained (prefix caching, preemption and request churn need no extra state); the cost is
-that area: 136 B per token and KV head for kivi_4bit at head size 64 and block 128 (1.88x the
-tokens of bf16), 104 B for kivi_2bit (2.46x); larger ``--block-size`` amortises it (256: 2.46x /
-3.56x).
+Residual placement (knob ``residual``, :mod:`vllm_accel.kv_quant.config`): with ``"tail"`` (the
+default) the keys of each running request's unfinished 64-token key group live in a
+:class:`~vllm_accel.kv_quant.tail_pool.TailPool` owned by the builder, one slot per request
+(request ids from :mod:`vllm_accel.attention.step_requests`, runtime patch
+``attention_step_requests``); pages hold codes and scales only (kivi_4bit 72 B per token and KV
+head at head size 64, 3.56x the tokens of bf16; kivi_2bit 40 B, 6.4x). With ``"page"`` every
+page carries the residual area instead (self-contained, 136 B / 104 B: 1.88x / 2.46x).
 
 Start-up checks (:func:`startup_problems`) name the flag and the supported values: CPU platform
 only, ``--dtype`` bfloat16/float16, ``--block-size`` a multiple of the 64-token key group, head
@@ -43,19 +44,33 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
+from vllm_accel.attention import step_requests
 from vllm_accel.attention.registry import KV_CACHE_DTYPE_BACKENDS
 from vllm_accel.kernels.kivi_attention import kivi_paged_attention
 from vllm_accel.kernels.kivi_cache import quantize_on_write
 from vllm_accel.kernels.kivi_format import PRESETS, KiviLayout
 from vllm_accel.kv_quant.config import KvQuantKnobs, load_knobs
+from vllm_accel.kv_quant.tail_pool import TailPool
 from vllm_accel.log import get_logger
 
 logger = get_logger("kv_quant")
 
-RESIDUAL = "page"
 SUPPORTED_MODEL_DTYPES = (torch.bfloat16, torch.float16)
 DEFAULT_CPU_BLOCK_SIZE = 128  # vLLM's CPU default when --block-size is not given
 _LOGGED_LAYOUTS: set[KiviLayout] = set()
+# residual mode of the layers built in this process: vLLM asks customize_spec for the page bytes
+# in the worker outside any vLLM config context, after the model's layers were built
+_BUILT_RESIDUAL: dict[str, str] = {}
+
+
+def residual_mode() -> str:
+    """The ``kv_quant.residual`` knob of the vLLM config being built or run."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    config = get_current_vllm_config_or_none()
+    if config is not None:
+        return load_knobs(config.additional_config).residual
+    return _BUILT_RESIDUAL.get("mode", KvQuantKnobs.residual)
 
 
 def key_group(kv_cache_dtype: str) -> int:
@@ -63,10 +78,10 @@ def key_group(kv_cache_dtype: str) -> int:
 
 
 def page_layout(kv_cache_dtype: str, head_size: int, block_size: int,
-                dtype: torch.dtype = torch.bfloat16) -> KiviLayout:
+                dtype: torch.dtype = torch.bfloat16, residual: str = "tail") -> KiviLayout:
     """The page format of ``--kv-cache-dtype kv_cache_dtype`` for one layer geometry."""
     return KiviLayout.preset(kv_cache_dtype, head_size=head_size, block_size=block_size,
-                             dtype=dtype, residual=RESIDUAL)
+                             dtype=dtype, residual=residual)
 
 
 # --------------------------------------------------------------------------------------------
@@ -163,7 +178,8 @@ class KiviBackend(AttentionBackend):
         block = spec.block_size
         if block % key_group(cls.KV_CACHE_DTYPE) != 0:
             block = DEFAULT_CPU_BLOCK_SIZE
-        layout = page_layout(cls.KV_CACHE_DTYPE, spec.head_size, block)
+        layout = page_layout(cls.KV_CACHE_DTYPE, spec.head_size, block,
+                             residual=residual_mode())
         return replace(spec, state_content_bytes=layout.bytes_per_token_head)
 
     @staticmethod
@@ -205,21 +221,64 @@ class KiviAttentionMetadata:
     seq_lens: torch.Tensor
     block_table: torch.Tensor
     slot_mapping: torch.Tensor
+    # residual="tail" only: the pool, the entry of each written key and of each row's
+    # unfinished key group
+    tail_pool: TailPool | None = None
+    tail_mapping: torch.Tensor | None = None
+    tail_index: torch.Tensor | None = None
+
+
+_POOLS: dict[tuple[int, tuple[str, ...]], TailPool] = {}
+
+
+def tail_pool_for(kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: Any,
+                  device: torch.device, kv_cache_dtype: str) -> TailPool:
+    """The residual pool of one KV-cache group of one engine (shared by its builders)."""
+    key = (id(vllm_config), tuple(layer_names))
+    pool = _POOLS.get(key)
+    if pool is None:
+        for stale in [k for k in _POOLS if k[0] != id(vllm_config)]:  # an earlier engine's
+            del _POOLS[stale]
+        pool = TailPool(
+            layer_names, num_kv_heads=kv_cache_spec.num_kv_heads,
+            key_group=key_group(kv_cache_dtype), head_size=kv_cache_spec.head_size,
+            dtype=vllm_config.model_config.dtype, device=device,
+            max_requests=vllm_config.scheduler_config.max_num_seqs,
+            # drafts rolled back across a group boundary must not clobber the previous group
+            entries_per_slot=2 if vllm_config.speculative_config is not None else 1)
+        _POOLS[key] = pool
+        logger.info("KIVI residual pool: %s", pool.describe())
+    return pool
 
 
 class KiviMetadataBuilder(AttentionMetadataBuilder[KiviAttentionMetadata]):
-    """vLLM's varlen metadata, as the KIVI kernels take it (mixed prefill/decode batches)."""
+    """vLLM's varlen metadata, as the KIVI kernels take it (mixed prefill/decode batches), plus
+    each row's residual-pool entries (``residual="tail"``)."""
 
     def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: Any,
                  device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.kv_cache_spec = kv_cache_spec
+        self.tail_pool: TailPool | None = None
+        knobs = load_knobs(vllm_config.additional_config)
+        if knobs.residual == "tail":
+            from vllm_accel._patches import attention_step_requests
+
+            attention_step_requests.enable()
+            self.tail_pool = tail_pool_for(kv_cache_spec, layer_names, vllm_config, device,
+                                           vllm_config.cache_config.cache_dtype)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> KiviAttentionMetadata:
         cm = common_attn_metadata
         if cm.causal is not True:
             raise ValueError("KIVI attention supports causal decoder attention only")
+        tail_mapping = tail_index = None
+        if self.tail_pool is not None:
+            tail_mapping, tail_index = self.tail_pool.step(
+                step_requests.row_req_ids(cm.num_reqs), step_requests.live_req_ids(),
+                cm.query_start_loc, cm.seq_lens, int(cm.query_start_loc_cpu[-1]),
+                padded_tokens=max(cm.num_actual_tokens, cm.slot_mapping.shape[0]))
         return KiviAttentionMetadata(
             num_actual_tokens=cm.num_actual_tokens,
             max_query_len=cm.max_query_len,
@@ -228,6 +287,9 @@ class KiviMetadataBuilder(AttentionMetadataBuilder[KiviAttentionMetadata]):
             seq_lens=cm.seq_lens,
             block_table=cm.block_table_tensor,
             slot_mapping=cm.slot_mapping,
+            tail_pool=self.tail_pool,
+            tail_mapping=tail_mapping,
+            tail_index=tail_index,
         )
 
 
@@ -275,6 +337,7 @@ class KiviAttentionImpl(AttentionImpl):
         self.model_dtype = model_dtype
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.knobs: KvQuantKnobs = load_knobs(additional)
+        _BUILT_RESIDUAL["mode"] = self.knobs.residual
         self._layouts: dict[int, KiviLayout] = {}
 
     def layout_for(self, kv_cache: torch.Tensor) -> KiviLayout:
@@ -282,7 +345,8 @@ class KiviAttentionImpl(AttentionImpl):
         block = kv_cache.shape[2]
         layout = self._layouts.get(block)
         if layout is None:
-            layout = page_layout(self.kv_cache_dtype, self.head_size, block, self.model_dtype)
+            layout = page_layout(self.kv_cache_dtype, self.head_size, block, self.model_dtype,
+                                 self.knobs.residual)
             if kv_cache.shape[3] != layout.bytes_per_token_head:
                 raise RuntimeError(
                     f"--kv-cache-dtype {self.kv_cache_dtype}: the KV cache has "
@@ -296,9 +360,27 @@ class KiviAttentionImpl(AttentionImpl):
 
     def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        metadata = None
+        if self.knobs.residual == "tail":
+            from vllm.model_executor.layers.attention.attention import get_attention_context
+
+            metadata = get_attention_context(layer.layer_name)[0]
+        self.write(layer, key, value, kv_cache, slot_mapping, metadata)
+
+    def write(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
+              kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+              metadata: KiviAttentionMetadata | None) -> None:
+        """Quantize this step's keys and values into the cache (residual keys into the pool)."""
+        layout = self.layout_for(kv_cache)
         n = slot_mapping.shape[0]
-        quantize_on_write(key[:n], value[:n], kv_cache, slot_mapping, self.layout_for(kv_cache),
-                          backend=self.knobs.kernel)
+        k_tail = tail_mapping = None
+        if layout.residual == "tail":
+            if metadata is None:  # profiling / warm-up run: nothing will read these slots
+                return
+            k_tail = metadata.tail_pool.layer(layer.layer_name)
+            tail_mapping = metadata.tail_mapping[:n]
+        quantize_on_write(key[:n], value[:n], kv_cache, slot_mapping, layout,
+                          k_tail=k_tail, tail_mapping=tail_mapping, backend=self.knobs.kernel)
 
     def forward(self, layer: AttentionLayer, query: torch.Tensor, key: torch.Tensor,
                 value: torch.Tensor, kv_cache: torch.Tensor,
@@ -310,10 +392,15 @@ class KiviAttentionImpl(AttentionImpl):
         if attn_metadata is None:  # profiling / warm-up run
             return output
         n = attn_metadata.num_actual_tokens
+        layout = self.layout_for(kv_cache)
+        k_tail = None
+        if layout.residual == "tail":
+            k_tail = attn_metadata.tail_pool.layer(layer.layer_name)
         kivi_paged_attention(
             query[:n], kv_cache, attn_metadata.block_table, attn_metadata.seq_lens,
-            attn_metadata.query_start_loc, self.scale, self.layout_for(kv_cache),
+            attn_metadata.query_start_loc, self.scale, layout,
             out=output[:n], max_query_len=attn_metadata.max_query_len,
             max_seq_len=attn_metadata.max_seq_len, backend=self.knobs.kernel,
+            k_tail=k_tail, tail_index=attn_metadata.tail_index,
         )
         return output

@@ -6,13 +6,16 @@ only say how it runs::
     --additional-config '{"vllm_accel": {"kv_quant": {"kernel": "torch"}}}'
     VLLM_ACCEL_KV_QUANT_KERNEL=torch
 
-``residual`` records where the full-precision keys of each sequence's unfinished key group live.
-Only ``"page"`` is wired: every page carries a residual area (self-contained, no per-request
-state), which costs ``2 * key_group * head_size / block_size`` bytes per token and head (64 B at
-D=64, N=128: kivi_4bit stores 136 B instead of bf16's 256 B per token and head, 1.88x; kivi_2bit
-104 B, 2.46x). ``"tail"`` (residual in a per-request pool, 3.5x+ / 6x+) needs a stable
-per-request slot that vLLM 0.32 does not give attention metadata builders; it is rejected with
-that reason rather than silently replaced.
+``residual`` says where the full-precision keys of each sequence's unfinished key group live:
+
+* ``"tail"`` (default): in a pool outside the pages with one entry per running request
+  (:mod:`vllm_accel.kv_quant.tail_pool`); pages hold only codes and scales (kivi_4bit at head
+  size 64: 72 B per token and KV head against bf16's 256 B, 3.56x; kivi_2bit 40 B, 6.4x). The
+  pool (``--max-num-seqs`` slots, allocated by the worker, outside the KV-cache budget) is
+  logged at start-up.
+* ``"page"``: a residual area in every page (self-contained pages, no per-request state) that
+  costs ``2 * key_group * head_size / block_size`` bytes per token and head (64 B at D=64,
+  N=128: kivi_4bit 136 B, 1.88x; kivi_2bit 104 B, 2.46x).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from vllm_accel.config import register_section
 
 SECTION = "kv_quant"
 KERNELS = ("auto", "torch", "triton")
-RESIDUALS = ("page",)
+RESIDUALS = ("tail", "page")
 
 
 @register_section(SECTION)
@@ -31,20 +34,17 @@ RESIDUALS = ("page",)
 class KvQuantKnobs:
     """``kernel``: implementation of the quantize-on-write and attention kernels (``auto``:
     Triton on CUDA, torch on CPU; ``triton`` on CPU needs ``TRITON_INTERPRET=1``).
-    ``residual``: where the unfinished key group is kept (only ``page``; see the module doc)."""
+    ``residual``: where the unfinished key group is kept (``tail``: a per-request pool;
+    ``page``: every page; see the module doc)."""
 
     kernel: str = "auto"
-    residual: str = "page"
+    residual: str = "tail"
 
     def validate(self) -> dict[str, str]:
         problems: dict[str, str] = {}
         if self.kernel not in KERNELS:
             problems["kernel"] = f"must be one of {', '.join(KERNELS)}"
-        if self.residual == "tail":
-            problems["residual"] = (
-                "'tail' (residual keys in a per-request pool) is not wired yet: vLLM 0.32 gives "
-                "attention builders no stable per-request slot; supported: page")
-        elif self.residual not in RESIDUALS:
+        if self.residual not in RESIDUALS:
             problems["residual"] = f"must be one of {', '.join(RESIDUALS)}"
         return problems
 
@@ -53,3 +53,4 @@ def load_knobs(additional_config: dict | None) -> KvQuantKnobs:
     from vllm_accel.config import load_section
 
     return load_section(SECTION, additional_config)
+

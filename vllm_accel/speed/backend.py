@@ -16,7 +16,7 @@ group of their own with its own block table):
   block).
 
 Per-request prompt lengths come from :mod:`vllm_accel.attention.step_requests` (runtime patch
-``attention_prompt_lens``, applied by the SPEED model in the worker).
+``attention_step_requests``, applied by the SPEED model in the worker).
 """
 
 from __future__ import annotations

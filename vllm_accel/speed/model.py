@@ -30,22 +30,13 @@ from vllm.forward_context import get_forward_context
 from vllm.model_executor.models.llama import LlamaForCausalLM
 from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 
+from vllm_accel._patches import attention_step_requests
 from vllm_accel.config import AccelConfigError, load_section
 from vllm_accel.log import get_logger
 from vllm_accel.speed.config import SECTION, SpeedConfig
 from vllm_accel.speed.registration import NAME, speed_selected
 
 logger = get_logger("speed")
-
-
-def _enable_prompt_lens() -> None:
-    import vllm
-
-    from vllm_accel._patches import attention_prompt_lens
-    from vllm_accel.patching import active_patches, apply
-
-    if not any(p.name == attention_prompt_lens.PATCH.name for p in active_patches()):
-        apply(attention_prompt_lens.PATCH, vllm.__version__)
 
 
 def _upper_kv_cache_spec(anchor_tokens: int):
@@ -99,7 +90,7 @@ class _SpeedMixin:
             attn.get_kv_cache_spec = types.MethodType(spec_fn, attn)
         self._speed_first_upper = (layers[self.speed_num_lower].self_attn.attn.layer_name
                                    if self.speed_num_lower < num_layers else None)
-        _enable_prompt_lens()
+        attention_step_requests.enable()
         logger.info(
             "%s: %s with %d of %d layers for prompt tokens (cut %s), %d anchor token(s); "
             "layers %d..%d run only anchors, last prompt tokens and decode tokens",

@@ -9,7 +9,7 @@ import torch  # noqa: E402
 
 from vllm_accel.kernels import kivi_cache  # noqa: E402
 from vllm_accel.kernels.kivi_cache import (  # noqa: E402
-    alternating_tail_entries,
+    tail_entries,
     dequantize_pages,
     gather_sequence_kv,
     quantize_on_write,
@@ -137,16 +137,20 @@ def test_many_sequences_in_one_call_with_padding():
     assert torch.equal(cache, ref_cache) and torch.equal(tail, ref_tail)
 
 
-def test_alternating_tail_entries():
+def test_tail_entries_alternate_per_group_or_use_one_entry_per_slot():
     # seq 0: decode at position 40; seq 1: prefill positions 0..4; seq 2: chunk 14..17 (G=16)
     qsl = torch.tensor([0, 1, 6, 10])
     seq_lens = torch.tensor([41, 5, 18])
-    tm, ti = alternating_tail_entries(qsl, seq_lens, 16, request_slots=torch.tensor([3, 0, 1]))
+    slots = torch.tensor([3, 0, 1])
+    tm, ti = tail_entries(qsl, seq_lens, 16, request_slots=slots)
     assert tm.tolist() == [6 + 0, 0, 0, 0, 0, 0, 2, 2, 3, 3]
     assert ti.tolist() == [6 + 0, 0, 2 + 1]
+    tm, ti = tail_entries(qsl, seq_lens, 16, request_slots=slots, entries_per_slot=1)
+    assert tm.tolist() == [3, 0, 0, 0, 0, 0, 1, 1, 1, 1]
+    assert ti.tolist() == [3, 0, 1]
 
 
-def test_rollback_across_a_group_boundary_with_alternating_tail_entries():
+def test_rollback_across_a_group_boundary_with_two_tail_entries_per_slot():
     """Speculative decoding: drafts that complete a group are rejected and rewritten."""
     lay = KiviLayout(4, 4, 32, 32, 16, 32, torch.bfloat16)
     hkv, L = 1, 21

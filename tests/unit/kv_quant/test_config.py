@@ -10,7 +10,7 @@ from vllm_accel.kv_quant.config import KvQuantKnobs, load_knobs
 
 def test_defaults():
     knobs = load_knobs(None)
-    assert knobs == KvQuantKnobs(kernel="auto", residual="page")
+    assert knobs == KvQuantKnobs(kernel="auto", residual="tail")
 
 
 def test_json_and_env(monkeypatch):
@@ -24,9 +24,10 @@ def test_bad_kernel_names_the_knob():
         load_knobs({"vllm_accel": {"kv_quant": {"kernel": "cuda"}}})
 
 
-def test_tail_residual_is_refused_with_the_reason():
-    with pytest.raises(AccelConfigError, match=r"kv_quant\.residual='tail'.*not wired.*page"):
-        load_knobs({"vllm_accel": {"kv_quant": {"residual": "tail"}}})
+def test_residual_modes():
+    assert load_knobs({"vllm_accel": {"kv_quant": {"residual": "page"}}}).residual == "page"
+    with pytest.raises(AccelConfigError, match=r"kv_quant\.residual='sink'.*tail, page"):
+        load_knobs({"vllm_accel": {"kv_quant": {"residual": "sink"}}})
 
 
 def test_unknown_key_is_refused():

@@ -13,40 +13,63 @@ from vllm_accel.kv_quant.backend import (
     KiviAttentionMetadata,
     page_layout,
 )
+from vllm_accel.kv_quant.config import KvQuantKnobs
+from vllm_accel.kv_quant.tail_pool import TailPool
 
 H_Q, H_KV, D, N = 4, 2, 64, 128
 
 
-def _metadata(q_lens, seq_lens, block_table, slot_mapping):
+def _metadata(q_lens, seq_lens, block_table, slot_mapping, pool=None, rows=None, live=None):
     qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
+    tail_mapping = tail_index = None
+    if pool is not None:
+        tail_mapping, tail_index = pool.step(rows, live, qsl, seq_lens, int(qsl[-1]))
     return KiviAttentionMetadata(
-        num_actual_tokens=int(qsl[-1]), max_query_len=max(q_lens), max_seq_len=max(seq_lens),
-        query_start_loc=qsl, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_table=block_table, slot_mapping=slot_mapping)
+        num_actual_tokens=int(qsl[-1]), max_query_len=max(q_lens),
+        max_seq_len=int(seq_lens.max()), query_start_loc=qsl, seq_lens=seq_lens,
+        block_table=block_table, slot_mapping=slot_mapping, tail_pool=pool,
+        tail_mapping=tail_mapping, tail_index=tail_index)
 
 
-def test_prefill_then_decode_matches_the_fake_quant_reference():
-    torch.manual_seed(0)
-    layout = page_layout("kivi_4bit", D, N)
-    cache = layout.allocate(num_blocks=4, num_kv_heads=H_KV)
+def _impl(residual):
     impl = KiviAttentionImpl(H_Q, D, D**-0.5, H_KV, None, None, "kivi_4bit")
-    layer = types.SimpleNamespace()
+    impl.knobs = KvQuantKnobs(residual=residual)
+    return impl
+
+
+def _pool(max_requests=2):
+    return TailPool(["L0"], num_kv_heads=H_KV, key_group=64, head_size=D,
+                    dtype=torch.bfloat16, device="cpu", max_requests=max_requests,
+                    entries_per_slot=1)
+
+
+def _slots(block_table_row, positions):
+    return torch.tensor([int(block_table_row[p // N]) * N + p % N for p in positions])
+
+
+@pytest.mark.parametrize("residual", ["tail", "page"])
+def test_prefill_then_decode_matches_the_fake_quant_reference(residual):
+    torch.manual_seed(0)
+    layout = page_layout("kivi_4bit", D, N, residual=residual)
+    cache = layout.allocate(num_blocks=4, num_kv_heads=H_KV)
+    impl = _impl(residual)
+    pool = _pool() if residual == "tail" else None
+    layer = types.SimpleNamespace(layer_name="L0")
     length = 150  # two pages: one full key group + a partial one on the second page
     q = torch.randn(length, H_Q, D, dtype=torch.bfloat16)
     k = torch.randn(length, H_KV, D, dtype=torch.bfloat16)
     v = torch.randn(length, H_KV, D, dtype=torch.bfloat16)
     block_table = torch.tensor([[2, 0]], dtype=torch.int32)
-    slots = torch.tensor([int(block_table[0, p // N]) * N + p % N for p in range(length)])
+    slots = _slots(block_table[0], range(length))
 
     # prefill of the first length-1 tokens, then one decode token
     out = torch.zeros(length, H_Q, D, dtype=torch.bfloat16)
     pre = length - 1
-    md = _metadata([pre], [pre], block_table, slots[:pre])
-    impl.do_kv_cache_update(layer, k[:pre], v[:pre], cache, slots[:pre])
-    impl.forward(layer, q[:pre], k[:pre], v[:pre], cache, md, out[:pre])
-    md = _metadata([1], [length], block_table, slots[pre:])
-    impl.do_kv_cache_update(layer, k[pre:], v[pre:], cache, slots[pre:])
-    impl.forward(layer, q[pre:], k[pre:], v[pre:], cache, md, out[pre:])
+    for lo, hi in ((0, pre), (pre, length)):
+        md = _metadata([hi - lo], [hi], block_table, slots[lo:hi], pool, ["r"], {"r"})
+        impl.write(layer, k[lo:hi], v[lo:hi], cache, slots[lo:hi], md)
+        impl.forward(layer, q[lo:hi], k[lo:hi], v[lo:hi], cache, md, out[lo:hi])
 
     kq, vq = fake_quant_kv(k, v, layout)
     want_decode = reference_attention(q[pre:], kq, vq)
@@ -55,6 +78,72 @@ def test_prefill_then_decode_matches_the_fake_quant_reference():
     kq_pre, vq_pre = fake_quant_kv(k[:pre], v[:pre], layout)
     want_pre = reference_attention(q[:pre], kq_pre, vq_pre)
     torch.testing.assert_close(out[:pre].float(), want_pre, atol=2e-2, rtol=2e-2)
+
+
+def test_tail_slots_follow_requests_across_row_moves_and_finishes():
+    """Two requests decode in alternating row order; one finishes and a third takes its slot
+    mid-group: every decode output still matches the reference of its own sequence."""
+    torch.manual_seed(1)
+    layout = page_layout("kivi_4bit", D, N)
+    cache = layout.allocate(num_blocks=6, num_kv_heads=H_KV)
+    impl, pool = _impl("tail"), _pool(max_requests=2)
+    layer = types.SimpleNamespace(layer_name="L0")
+    tables = {"a": [1, 2], "b": [3, 4], "c": [5, 0]}
+    seqs = {r: [torch.randn(200, h, D, dtype=torch.bfloat16) for h in (H_Q, H_KV, H_KV)]
+            for r in tables}
+    done = {r: 0 for r in tables}
+
+    def step(rows, q_lens, live):
+        table = torch.tensor([tables[r] for r in rows], dtype=torch.int32)
+        los = [done[r] for r in rows]
+        his = [lo + n for lo, n in zip(los, q_lens)]
+        slots = torch.cat([_slots(table[i], range(lo, hi))
+                           for i, (lo, hi) in enumerate(zip(los, his))])
+        q, k, v = (torch.cat([seqs[r][j][lo:hi] for r, lo, hi in zip(rows, los, his)])
+                   for j in range(3))
+        md = _metadata(q_lens, his, table, slots, pool, rows, live)
+        out = torch.zeros_like(q)
+        impl.write(layer, k, v, cache, slots, md)
+        impl.forward(layer, q, k, v, cache, md, out)
+        for r, hi in zip(rows, his):
+            done[r] = hi
+        return out, his
+
+    step(["a", "b"], [70, 30], {"a", "b"})  # a: one full group + 6 residual keys
+    for rows in (["b", "a"], ["a", "b"], ["b", "a"]):
+        out, his = step(rows, [1, 1], {"a", "b"})
+        for i, (r, hi) in enumerate(zip(rows, his)):
+            q, k, v = (t[:hi] for t in seqs[r])
+            kq, vq = fake_quant_kv(k, v, layout)
+            want = reference_attention(q[hi - 1:], kq, vq)
+            torch.testing.assert_close(out[i:i + 1].float(), want, atol=2e-2, rtol=2e-2)
+    step(["c"], [40], {"a", "c"})  # b finished: c gets its slot
+    assert pool.slots.capacity == 2
+    out, his = step(["a", "c"], [1, 1], {"a", "c"})
+    for i, r in enumerate(["a", "c"]):
+        q, k, v = (t[:his[i]] for t in seqs[r])
+        kq, vq = fake_quant_kv(k, v, layout)
+        want = reference_attention(q[his[i] - 1:], kq, vq)
+        torch.testing.assert_close(out[i:i + 1].float(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_pool_grows_when_more_requests_are_live_than_slots():
+    pool = _pool(max_requests=1)
+    qsl, seq_lens = torch.tensor([0, 1, 2]), torch.tensor([5, 9])
+    pool.keys[:, 1] = 3.0  # request "a"'s slot
+    pool.step(["a"], {"a"}, qsl[:2], seq_lens[:1], 1)
+    _, tail_index = pool.step(["a", "b"], {"a", "b"}, qsl, seq_lens, 2)
+    assert pool.slots.capacity >= 2 and tail_index.tolist() == [1, 2]
+    assert bool((pool.keys[:, 1] == 3.0).all())  # kept across the growth
+
+
+def test_rows_without_a_live_request_write_into_the_scratch_slot():
+    pool = _pool(max_requests=1)
+    qsl, seq_lens = torch.tensor([0, 2, 3]), torch.tensor([2, 1])
+    tail_mapping, tail_index = pool.step([None, "gone"], {"a"}, qsl, seq_lens, 3,
+                                         padded_tokens=5)
+    assert tail_mapping.tolist() == [0, 0, 0, 0, 0] and tail_index.tolist() == [0, 0]
+    assert len(pool.slots) == 0
 
 
 def test_profiling_run_leaves_output_untouched():
@@ -67,8 +156,8 @@ def test_profiling_run_leaves_output_untouched():
 
 def test_cache_with_other_page_bytes_is_refused():
     impl = KiviAttentionImpl(H_Q, D, D**-0.5, H_KV, None, None, "kivi_4bit")
-    wrong = page_layout("kivi_2bit", D, N).allocate(1, H_KV)  # 104 B/token, not 136
-    with pytest.raises(RuntimeError, match="104 bytes per token.*needs 136"):
+    wrong = page_layout("kivi_2bit", D, N).allocate(1, H_KV)  # 40 B/token, not 72
+    with pytest.raises(RuntimeError, match="40 bytes per token.*needs 72"):
         impl.layout_for(wrong)
 
 

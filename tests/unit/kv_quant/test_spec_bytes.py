@@ -7,6 +7,7 @@ import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from vllm_accel.kernels.kivi_format import KiviLayout
+from vllm_accel.kv_quant import backend as kivi_backend
 from vllm_accel.kv_quant.backend import Kivi2BitBackend, Kivi4BitBackend, page_layout
 
 
@@ -15,9 +16,14 @@ def _spec(block_size=128, head_size=64, heads=2, dtype=torch.uint8):
                              dtype=dtype)
 
 
+@pytest.fixture
+def page_residual(monkeypatch):
+    monkeypatch.setattr(kivi_backend, "residual_mode", lambda: "page")
+
+
 @pytest.mark.parametrize("backend, bytes_per_token_head", [
-    (Kivi4BitBackend, 136),  # 64 code + 8 scale bytes + 64 residual bytes (page residual)
-    (Kivi2BitBackend, 104),
+    (Kivi4BitBackend, 72),  # 64 code bytes + 8 scale bytes (residual keys in the tail pool)
+    (Kivi2BitBackend, 40),
 ])
 def test_state_content_bytes_is_the_layout_size(backend, bytes_per_token_head):
     spec = backend.customize_spec(_spec())
@@ -31,19 +37,25 @@ def test_state_content_bytes_is_the_layout_size(backend, bytes_per_token_head):
 def test_capacity_ratio_against_bf16_at_head_size_64():
     bf16 = _spec(dtype=torch.bfloat16).page_size_bytes
     assert bf16 / Kivi4BitBackend.customize_spec(_spec()).page_size_bytes == pytest.approx(
-        256 / 136)
+        256 / 72)
     assert bf16 / Kivi2BitBackend.customize_spec(_spec()).page_size_bytes == pytest.approx(
-        256 / 104)
+        256 / 40)
 
 
-def test_larger_blocks_amortise_the_page_residual():
+def test_page_residual_costs_its_area(page_residual):
+    # 64 code + 8 scale bytes + 64 residual bytes per token and head at block 128
+    assert Kivi4BitBackend.customize_spec(_spec()).state_content_bytes == 136
+    assert Kivi2BitBackend.customize_spec(_spec()).state_content_bytes == 104
+
+
+def test_larger_blocks_amortise_the_page_residual(page_residual):
     c128 = Kivi4BitBackend.customize_spec(_spec(block_size=128)).state_content_bytes
     c256 = Kivi4BitBackend.customize_spec(_spec(block_size=256)).state_content_bytes
     assert c256 < c128
     assert c256 == KiviLayout.preset("kivi_4bit", 64, 256, residual="page").bytes_per_token_head
 
 
-def test_per_token_query_uses_the_default_cpu_block():
+def test_per_token_query_uses_the_default_cpu_block(page_residual):
     # vLLM asks customize_spec for block_size=1 pages when aligning hybrid models
     assert Kivi4BitBackend.customize_spec(_spec(block_size=1)).state_content_bytes == 136
 

@@ -1,0 +1,48 @@
+"""The kv-quant bench gives both sides the same memory: the KIVI side's KV budget is net of the
+residual pool the worker allocates, and the report counts the pool in the bytes per token."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from vllm_accel.bench import kv_quant
+from vllm_accel.kv_quant.tail_pool import TailPool
+
+LAYERS, HEADS, KV_HEADS, HIDDEN = 3, 4, 2, 256  # head size 64
+
+
+def _engine(tmp_path, **extra):
+    (tmp_path / "config.json").write_text(json.dumps({
+        "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS, "hidden_size": HIDDEN}))
+    return {"model": str(tmp_path), **kv_quant.engine_extra("kivi_4bit"), **extra}
+
+
+def test_budget_is_net_of_the_pool_the_worker_allocates(tmp_path):
+    engine = kv_quant.finish_engine(_engine(tmp_path))
+    pool = TailPool([f"l{i}" for i in range(LAYERS)], num_kv_heads=KV_HEADS, key_group=64,
+                    head_size=HIDDEN // HEADS, dtype=torch.bfloat16, device="cpu",
+                    max_requests=kv_quant.MAX_NUM_SEQS, entries_per_slot=1)
+    assert kv_quant.KV_CACHE_BYTES - engine["kv_cache_memory_bytes"] == pool.nbytes > 0
+
+
+def test_no_pool_for_bf16_page_residual_or_two_entries_with_drafts(tmp_path):
+    assert kv_quant.residual_pool_bytes(_engine(tmp_path, kv_cache_dtype="auto")) == 0
+    page = {"vllm_accel": {"kv_quant": {"residual": "page"}}}
+    assert kv_quant.residual_pool_bytes(_engine(tmp_path, additional_config=page)) == 0
+    one = kv_quant.residual_pool_bytes(_engine(tmp_path))
+    two = kv_quant.residual_pool_bytes(_engine(tmp_path, speculative_config={"method": "x"}))
+    assert two == 2 * one
+
+
+def test_report_counts_the_pool_in_the_bytes_per_token(tmp_path):
+    base = {"engine": {"kv_cache_memory_bytes": kv_quant.KV_CACHE_BYTES},
+            "num_kv_blocks": 100, "block_size": 128}
+    engine = kv_quant.finish_engine(_engine(tmp_path))
+    quant = {"engine": engine, "num_kv_blocks": 350, "block_size": 128}
+    ratios, _ = kv_quant.report(base, quant)
+    assert ratios["kv_capacity_ratio"] == 3.5
+    assert ratios["kv_bytes_per_token_quant"] == kv_quant.KV_CACHE_BYTES / (350 * 128)
+    assert ratios["tail_pool_bytes"] == kv_quant.KV_CACHE_BYTES - engine["kv_cache_memory_bytes"]
