@@ -9,10 +9,10 @@ import torch  # noqa: E402
 
 from vllm_accel.kernels import kivi_cache  # noqa: E402
 from vllm_accel.kernels.kivi_cache import (  # noqa: E402
-    tail_entries,
     dequantize_pages,
     gather_sequence_kv,
     quantize_on_write,
+    tail_entries,
 )
 from vllm_accel.kernels.kivi_format import KiviLayout, fake_quant_kv  # noqa: E402
 
