@@ -48,4 +48,4 @@ lint: setup
 	$(PY) -m ruff check vllm_accel tests benchmarks
 
 clean:
-	rm -rf $(VENV) build *.egg-info results vllm_accel/_C_sam*.so
+	rm -rf $(VENV) build *.egg-info results vllm_accel/_C_sam*.so vllm_accel/_C_kivi*.so

@@ -1,10 +1,11 @@
-"""Builds the optional native extension ``vllm_accel._C_sam`` (suffix automaton).
+"""Builds the optional native extensions ``vllm_accel._C_sam`` (suffix automaton) and
+``vllm_accel._C_kivi`` (KIVI decode attention on CPU).
 
 Package metadata lives in pyproject.toml; this file only declares the
 extension.  The extension is optional: without a C++17 compiler or pybind11, or
 if compilation fails, the build prints a warning and the package installs
 without it (``vllm_accel.spec_decode.suffix_automaton`` then uses its
-pure-Python fallback).  Set ``VLLM_ACCEL_REQUIRE_NATIVE=1`` to turn such a
+pure-Python fallback, the KIVI backend its torch path).  Set ``VLLM_ACCEL_REQUIRE_NATIVE=1`` to turn such a
 failure into an error (e.g. in CI jobs that must test the native code).
 """
 
@@ -15,6 +16,7 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 SAM_DIR = os.path.join("csrc", "suffix_automaton")
+KIVI_DIR = os.path.join("csrc", "kivi")
 
 
 class OptionalBuildExt(build_ext):
@@ -69,7 +71,12 @@ setup(
             ],
             depends=[os.path.join(SAM_DIR, "suffix_automaton.hpp")],
             language="c++",
-        )
+        ),
+        Extension(
+            "vllm_accel._C_kivi",
+            sources=[os.path.join(KIVI_DIR, "kivi_decode.cpp")],
+            language="c++",
+        ),
     ],
     cmdclass={"build_ext": OptionalBuildExt},
 )

@@ -53,12 +53,13 @@ from vllm_accel.kernels.kivi_cache import (
     gather_sequence_kv,
     resolve_backend,
 )
+from vllm_accel.kernels.kivi_cpu import decode_attention, native_problem
 from vllm_accel.kernels.kivi_format import KiviLayout, KiviViews
 
 if HAS_TRITON:
     from vllm_accel.kernels.kivi_cache import _unpack_tile
 
-__all__ = ["kivi_paged_attention", "choose_num_splits"]
+__all__ = ["kivi_paged_attention", "choose_num_splits", "resolve_attention_backend"]
 
 _LOG2E = 1.4426950408889634
 
@@ -67,7 +68,7 @@ _LOG2E = 1.4426950408889634
 # Torch reference
 # ---------------------------------------------------------------------------------------------
 def _attention_torch(
-    query, cache, block_table, seq_lens, qsl, scale, layout, k_tail, tail_index, out
+    query, cache, block_table, seq_lens, qsl, scale, layout, k_tail, tail_index, out, skip=()
 ):
     sl = seq_lens.tolist()
     starts = qsl.tolist()
@@ -76,7 +77,7 @@ def _attention_torch(
     for i, L in enumerate(sl):
         q0, q1 = starts[i], starts[i + 1]
         lq = q1 - q0
-        if lq <= 0:
+        if lq <= 0 or i in skip:
             continue
         if L <= 0:
             out[q0:q1] = 0
@@ -661,7 +662,9 @@ def kivi_paged_attention(
             default: 4 for decode, 8 for prefill -- 4 spills registers at block_m=64 on sm_90).
         fold: Triton: fold the key scale into the query and (``value_group == D``) the value
             scale into the softmax weights instead of dequantizing every element (see above).
-        backend: ``auto`` (Triton on CUDA, torch elsewhere), ``torch`` or ``triton``.
+        backend: ``auto`` (Triton on CUDA; on CPU ``native`` when the extension is built,
+            else ``torch``), ``torch``, ``triton`` or ``native`` (decode rows through
+            :mod:`vllm_accel.kernels.kivi_cpu`, the other rows through the torch path).
     Returns ``out``.
     """
     views = layout.views(cache)
@@ -683,7 +686,8 @@ def kivi_paged_attention(
         raise ValueError("kivi_paged_attention: residual='tail' needs tail_index [num_seqs]")
     if out is None:
         out = torch.zeros_like(query)
-    if resolve_backend(backend, query.device) == "triton":
+    backend = resolve_attention_backend(backend, query.device, layout)
+    if backend == "triton":
         if query.stride(2) != 1 or out.stride(2) != 1:
             raise ValueError("kivi_paged_attention: query/out need a contiguous last dimension")
         return _attention_triton(
@@ -706,6 +710,45 @@ def kivi_paged_attention(
             num_stages,
             fold,
         )
+    native_rows = ()
+    if backend == "native":
+        native_rows = _attention_native_decode(
+            query, cache, block_table, seq_lens, query_start_loc, scale, layout, k_tail,
+            tail_index, out
+        )
     return _attention_torch(
-        query, cache, block_table, seq_lens, query_start_loc, scale, layout, k_tail, tail_index, out
+        query, cache, block_table, seq_lens, query_start_loc, scale, layout, k_tail, tail_index,
+        out, skip=native_rows
     )
+
+
+def resolve_attention_backend(backend: str, device: torch.device, layout: KiviLayout) -> str:
+    """The attention implementation ``backend`` means on ``device`` (see
+    :func:`kivi_paged_attention`); an explicit ``native`` that cannot run raises."""
+    if backend == "native":
+        problem = native_problem(layout, device)
+        if problem is not None:
+            raise RuntimeError(f"KIVI: backend='native' cannot run: {problem}")
+        return backend
+    resolved = resolve_backend(backend, device)
+    if backend == "auto" and resolved == "torch" and native_problem(layout, device) is None:
+        return "native"
+    return resolved
+
+
+def _attention_native_decode(
+    query, cache, block_table, seq_lens, qsl, scale, layout, k_tail, tail_index, out
+) -> set[int]:
+    """Decode rows (one query token) through the native kernel; returns their sequences."""
+    starts = qsl.tolist()
+    seqs = [i for i in range(len(starts) - 1) if starts[i + 1] - starts[i] == 1]
+    if not seqs:
+        return set()
+    idx = torch.tensor(seqs, dtype=torch.int64)
+    rows = qsl.to(torch.int64)[idx]
+    got = decode_attention(
+        query[rows], cache, block_table[idx], seq_lens[idx], scale, layout, k_tail=k_tail,
+        tail_index=tail_index[idx] if tail_index is not None else None,
+    )
+    out[rows] = got.to(out.dtype)
+    return set(seqs)

@@ -46,7 +46,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from vllm_accel.attention import step_requests
 from vllm_accel.attention.registry import KV_CACHE_DTYPE_BACKENDS
-from vllm_accel.kernels.kivi_attention import kivi_paged_attention
+from vllm_accel.kernels.kivi_attention import kivi_paged_attention, resolve_attention_backend
 from vllm_accel.kernels.kivi_cache import quantize_on_write
 from vllm_accel.kernels.kivi_format import PRESETS, KiviLayout
 from vllm_accel.kv_quant.config import KvQuantKnobs, load_knobs
@@ -58,6 +58,7 @@ logger = get_logger("kv_quant")
 SUPPORTED_MODEL_DTYPES = (torch.bfloat16, torch.float16)
 DEFAULT_CPU_BLOCK_SIZE = 128  # vLLM's CPU default when --block-size is not given
 _LOGGED_LAYOUTS: set[KiviLayout] = set()
+_LOGGED_KERNELS: set[str] = set()
 # residual mode of the layers built in this process: vLLM asks customize_spec for the page bytes
 # in the worker outside any vLLM config context, after the model's layers were built
 _BUILT_RESIDUAL: dict[str, str] = {}
@@ -338,6 +339,19 @@ class KiviAttentionImpl(AttentionImpl):
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.knobs: KvQuantKnobs = load_knobs(additional)
         _BUILT_RESIDUAL["mode"] = self.knobs.residual
+        # the write path has no native kernel: "native" means the torch write + native decode
+        self.write_kernel = "torch" if self.knobs.kernel == "native" else self.knobs.kernel
+        device = torch.device(config.device_config.device if config is not None else "cpu")
+        probe = page_layout(kv_cache_dtype, head_size, 128, model_dtype, self.knobs.residual)
+        try:
+            self.attention_kernel = resolve_attention_backend(self.knobs.kernel, device, probe)
+        except RuntimeError as exc:
+            raise ValueError(f"{flag}: vllm_accel.kv_quant.kernel={self.knobs.kernel!r}: {exc}; "
+                             f"supported here: auto, torch") from exc
+        if self.attention_kernel not in _LOGGED_KERNELS:
+            _LOGGED_KERNELS.add(self.attention_kernel)
+            logger.info("%s: attention kernel %s (knob vllm_accel.kv_quant.kernel=%s)", flag,
+                        self.attention_kernel, self.knobs.kernel)
         self._layouts: dict[int, KiviLayout] = {}
 
     def layout_for(self, kv_cache: torch.Tensor) -> KiviLayout:
@@ -380,7 +394,7 @@ class KiviAttentionImpl(AttentionImpl):
             k_tail = metadata.tail_pool.layer(layer.layer_name)
             tail_mapping = metadata.tail_mapping[:n]
         quantize_on_write(key[:n], value[:n], kv_cache, slot_mapping, layout,
-                          k_tail=k_tail, tail_mapping=tail_mapping, backend=self.knobs.kernel)
+                          k_tail=k_tail, tail_mapping=tail_mapping, backend=self.write_kernel)
 
     def forward(self, layer: AttentionLayer, query: torch.Tensor, key: torch.Tensor,
                 value: torch.Tensor, kv_cache: torch.Tensor,
@@ -400,7 +414,7 @@ class KiviAttentionImpl(AttentionImpl):
             query[:n], kv_cache, attn_metadata.block_table, attn_metadata.seq_lens,
             attn_metadata.query_start_loc, self.scale, layout,
             out=output[:n], max_query_len=attn_metadata.max_query_len,
-            max_seq_len=attn_metadata.max_seq_len, backend=self.knobs.kernel,
+            max_seq_len=attn_metadata.max_seq_len, backend=self.attention_kernel,
             k_tail=k_tail, tail_index=attn_metadata.tail_index,
         )
         return output

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from vllm_accel.config import register_section
 
 SECTION = "kv_quant"
-KERNELS = ("auto", "torch", "triton")
+KERNELS = ("auto", "torch", "triton", "native")
 RESIDUALS = ("tail", "page")
 
 
@@ -33,7 +33,9 @@ RESIDUALS = ("tail", "page")
 @dataclass(frozen=True)
 class KvQuantKnobs:
     """``kernel``: implementation of the quantize-on-write and attention kernels (``auto``:
-    Triton on CUDA, torch on CPU; ``triton`` on CPU needs ``TRITON_INTERPRET=1``).
+    Triton on CUDA; on CPU the native decode kernel ``vllm_accel._C_kivi`` when it is built,
+    torch otherwise; ``native``: that kernel or a start-up error; ``triton`` on CPU needs
+    ``TRITON_INTERPRET=1``).
     ``residual``: where the unfinished key group is kept (``tail``: a per-request pool;
     ``page``: every page; see the module doc)."""
 
