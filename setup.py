@@ -75,6 +75,8 @@ setup(
         Extension(
             "vllm_accel._C_kivi",
             sources=[os.path.join(KIVI_DIR, "kivi_decode.cpp")],
+            extra_compile_args=["-fopenmp"] if sys.platform.startswith("linux") else [],
+            extra_link_args=["-fopenmp"] if sys.platform.startswith("linux") else [],
             language="c++",
         ),
     ],

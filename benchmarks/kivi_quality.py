@@ -14,7 +14,9 @@ the model predicts badly (see docs/kv_quant.md).
 
 Options: ``--max-num-batched-tokens`` (force chunked prefill), ``--json OUT`` (results with
 every window's per-token log-probs and top-1 tokens),
-``--dtype`` (model dtype, default bfloat16).
+``--dtype`` (model dtype, default bfloat16), ``--floor-chunk N`` (one more ``auto`` engine whose
+prefill runs in chunks of N tokens: its agreement with the first ``auto`` engine is the engine's
+own noise floor -- same weights, same cache format, only bf16 rounding of other kernel shapes).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.2)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--floor-chunk", type=int, default=None)
     ap.add_argument("--dtype", default="bfloat16",
                     help="model dtype (float32 avoids bf16 emulation on CPUs without AVX512-BF16)")
     args = ap.parse_args()
@@ -50,12 +53,16 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(model)
     windows = build_windows(tok, args.window, args.count)
     results, per_window, logprobs, predictions = {}, {}, {}, {}
-    for dt in args.dtypes.split(","):
-        engine = dict(model=model, dtype=args.dtype, kv_cache_dtype=dt,
+    configs = [(dt, dt, args.max_num_batched_tokens) for dt in args.dtypes.split(",")]
+    if args.floor_chunk:
+        configs.append((f"auto@chunk{args.floor_chunk}", "auto", args.floor_chunk))
+    for dt, cache_dtype, batched_tokens in configs:
+        engine = dict(model=model, dtype=args.dtype, kv_cache_dtype=cache_dtype,
                       max_model_len=args.window + 64, seed=0,
                       gpu_memory_utilization=args.gpu_memory_utilization)
-        if args.max_num_batched_tokens:
-            engine["max_num_batched_tokens"] = args.max_num_batched_tokens
+        if batched_tokens:
+            engine["max_num_batched_tokens"] = batched_tokens
+            engine["enable_chunked_prefill"] = True
         spec = {"engine": engine,
                 "env": {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
                 "tasks": [{"kind": "prompt_predictions", "name": "ppl", "prompts": windows}]}
@@ -68,7 +75,7 @@ def main() -> None:
                                 str(sp), str(op)], env=env, capture_output=True, text=True)
             if r.returncode != 0:
                 print(r.stdout[-3000:], r.stderr[-6000:], file=sys.stderr)
-                raise SystemExit(f"engine for kv_cache_dtype={dt} failed")
+                raise SystemExit(f"engine for {dt} failed")
             out = json.loads(op.read_text())
         predictions[dt] = out["tasks"]["ppl"]
         logprobs[dt] = [w["logprobs"] for w in predictions[dt]]
@@ -89,7 +96,7 @@ def main() -> None:
         extra = (f"top-1 agree {100 * agree['top1_agreement']:5.1f} %  "
                  f"|dlogp| {agree['mean_abs_logprob_delta']:.3f}") if agree else ""
         wins = " ".join(f"{x:.2f}" for x in per_window[dt])
-        print(f"  {dt:10s} ppl {p:8.4f}  {rel:>9s}  {extra:34s} per window: {wins}")
+        print(f"  {dt:14s} ppl {p:8.4f}  {rel:>9s}  {extra:34s} per window: {wins}")
     if args.json:
         Path(args.json).write_text(json.dumps({"model": model, "window": args.window,
                                                "count": args.count, "ppl": results,

@@ -22,7 +22,6 @@
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
-#include <thread>
 #include <vector>
 
 namespace py = pybind11;
@@ -92,31 +91,55 @@ struct Geometry {
   float scale;
 };
 
-// Attention of the query heads of KV head `h` of sequence `s`.
+// Scratch buffers of one worker thread.
+struct Scratch {
+  std::vector<float> scores;  // [hq, seq_len] scores, then softmax weights
+  std::vector<float> tile;    // [D, G] codes of one key group, channel-major
+  std::vector<float> codes;   // [D] codes of one value row
+  std::vector<float> folded;  // [hq, D + 1] query * key scale, and the q . zero bias
+  std::vector<float> denom, zsum;
+};
+
+// Attention of the query heads of one KV head of one sequence.  DT / GT > 0 fix D / G at
+// compile time (the common head sizes, so every inner loop is a fixed-length vector loop);
+// 0 reads them from `g`.  Inner loops run over contiguous memory without reductions: key
+// scores as score[t] += f[d] * tile[d][t] over the group's tokens, values as
+// out[d] += w * code[d].  x86-64 builds carry an AVX2+FMA clone picked at load time.
+template <int DT, int GT>
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target_clones("arch=haswell", "default")))
+#endif
 void attend_one(const Geometry& g, const uint8_t* cache, const int32_t* block_row,
-                int64_t seq_len, const float* q, const float* tail, float* out,
-                std::vector<float>& scores, std::vector<float>& codes,
-                std::vector<float>& folded) {
-  const int64_t D = g.head_size, N = g.block_size, G = g.key_group;
+                int64_t seq_len, const float* q, const float* tail, float* out, Scratch& w) {
+  const int64_t D = DT > 0 ? DT : g.head_size;
+  const int64_t G = GT > 0 ? GT : g.key_group;
+  const int64_t N = g.block_size;
   const int64_t hq = g.num_q_heads / g.num_kv_heads;
   const int64_t quantized = seq_len / G * G;
   const int64_t k_row = D * g.bits_k / 8, v_row = D * g.bits_v / 8;
   const int64_t vgroups = D / g.value_group;
-  scores.assign(static_cast<size_t>(hq * seq_len), 0.f);
-  codes.resize(static_cast<size_t>(D));
-  folded.resize(static_cast<size_t>(hq * (D + 1)));
-
-  // `cache` already points at KV head h of block 0: page of token t = cache + block * stride
+  // `cache` points at this KV head's page of block 0: page of block b = cache + b * stride
   const int64_t block_stride = g.block_stride;
+  w.scores.resize(static_cast<size_t>(hq * seq_len));
+  w.tile.resize(static_cast<size_t>(D * G));
+  w.codes.resize(static_cast<size_t>(D));
+  w.folded.resize(static_cast<size_t>(hq * (D + 1)));
+  w.denom.assign(static_cast<size_t>(hq), 0.f);
+  w.zsum.assign(static_cast<size_t>(hq * vgroups), 0.f);
+  float* scores = w.scores.data();
+  float* tile = w.tile.data();
+  float* codes = w.codes.data();
+  float* folded = w.folded.data();
+
   // --- scores over complete (quantized) key groups
   for (int64_t t0 = 0; t0 < quantized; t0 += G) {
     const uint8_t* page = cache + block_row[t0 / N] * block_stride;
-    const int64_t grp = (t0 % N) / G;
-    const uint8_t* ks = page + g.off_ks + grp * D * 2;
-    const uint8_t* kz = page + g.off_kz + grp * D * 2;
+    const int64_t first = t0 % N;
+    const uint8_t* ks = page + g.off_ks + (first / G) * D * 2;
+    const uint8_t* kz = page + g.off_kz + (first / G) * D * 2;
     for (int64_t i = 0; i < hq; ++i) {  // fold the group's channel scales into each query
       const float* qi = q + i * D;
-      float* fi = folded.data() + i * (D + 1);
+      float* fi = folded + i * (D + 1);
       float bias = 0.f;
       for (int64_t d = 0; d < D; ++d) {
         fi[d] = qi[d] * load_half(ks + 2 * d);
@@ -124,14 +147,19 @@ void attend_one(const Geometry& g, const uint8_t* cache, const int32_t* block_ro
       }
       fi[D] = bias;
     }
-    for (int64_t t = t0; t < t0 + G; ++t) {
-      unpack_row(page + g.off_kc + (t % N) * k_row, static_cast<int>(g.bits_k),
-                 static_cast<int>(D), codes.data());
-      for (int64_t i = 0; i < hq; ++i) {
-        const float* fi = folded.data() + i * (D + 1);
-        float acc = fi[D];
-        for (int64_t d = 0; d < D; ++d) acc += fi[d] * codes[d];
-        scores[i * seq_len + t] = acc;
+    for (int64_t t = 0; t < G; ++t) {  // unpack the group channel-major
+      unpack_row(page + g.off_kc + (first + t) * k_row, static_cast<int>(g.bits_k),
+                 static_cast<int>(D), codes);
+      for (int64_t d = 0; d < D; ++d) tile[d * G + t] = codes[d];
+    }
+    for (int64_t i = 0; i < hq; ++i) {
+      const float* fi = folded + i * (D + 1);
+      float* si = scores + i * seq_len + t0;
+      for (int64_t t = 0; t < G; ++t) si[t] = fi[D];
+      for (int64_t d = 0; d < D; ++d) {
+        const float f = fi[d];
+        const float* row = tile + d * G;
+        for (int64_t t = 0; t < G; ++t) si[t] += f * row[t];
       }
     }
   }
@@ -146,52 +174,61 @@ void attend_one(const Geometry& g, const uint8_t* cache, const int32_t* block_ro
     }
   }
   // --- softmax per query head (weights left unnormalised; divided at the end)
-  std::vector<float> denom(static_cast<size_t>(hq));
   for (int64_t i = 0; i < hq; ++i) {
-    float* si = scores.data() + i * seq_len;
+    float* si = scores + i * seq_len;
     float m = -INFINITY;
-    for (int64_t t = 0; t < seq_len; ++t) {
-      si[t] *= g.scale;
-      m = std::max(m, si[t]);
-    }
+    for (int64_t t = 0; t < seq_len; ++t) m = std::max(m, si[t] * g.scale);
     float sum = 0.f;
     for (int64_t t = 0; t < seq_len; ++t) {
-      si[t] = std::exp(si[t] - m);
+      si[t] = std::exp(si[t] * g.scale - m);
       sum += si[t];
     }
-    denom[i] = sum;
+    w.denom[i] = sum;
     std::fill(out + i * D, out + (i + 1) * D, 0.f);
   }
   // --- values: per-token scales fold into the weights
-  std::vector<float> zsum(static_cast<size_t>(hq * vgroups), 0.f);
   for (int64_t t = 0; t < seq_len; ++t) {
     const uint8_t* page = cache + block_row[t / N] * block_stride;
     const int64_t o = t % N;
     unpack_row(page + g.off_vc + o * v_row, static_cast<int>(g.bits_v), static_cast<int>(D),
-               codes.data());
+               codes);
     for (int64_t vg = 0; vg < vgroups; ++vg) {
       const float vs = load_half(page + g.off_vs + (o * vgroups + vg) * 2);
       const float vz = load_half(page + g.off_vz + (o * vgroups + vg) * 2);
-      const int64_t d0 = vg * g.value_group, d1 = d0 + g.value_group;
+      const int64_t d0 = vg * g.value_group, width = g.value_group;
       for (int64_t i = 0; i < hq; ++i) {
         const float p = scores[i * seq_len + t];
-        const float w = p * vs;
-        float* oi = out + i * D;
-        for (int64_t d = d0; d < d1; ++d) oi[d] += w * codes[d];
-        zsum[i * vgroups + vg] += p * vz;
+        const float wt = p * vs;
+        float* oi = out + i * D + d0;
+        const float* c = codes + d0;
+        if (vgroups == 1) {
+          for (int64_t d = 0; d < D; ++d) oi[d] += wt * c[d];
+        } else {
+          for (int64_t d = 0; d < width; ++d) oi[d] += wt * c[d];
+        }
+        w.zsum[i * vgroups + vg] += p * vz;
       }
     }
   }
   for (int64_t i = 0; i < hq; ++i) {
     float* oi = out + i * D;
-    const float inv = 1.f / denom[i];
+    const float inv = 1.f / w.denom[i];
     for (int64_t vg = 0; vg < vgroups; ++vg) {
-      const float z = zsum[i * vgroups + vg];
+      const float z = w.zsum[i * vgroups + vg];
       for (int64_t d = vg * g.value_group; d < (vg + 1) * g.value_group; ++d) {
         oi[d] = (oi[d] + z) * inv;
       }
     }
   }
+}
+
+using AttendFn = void (*)(const Geometry&, const uint8_t*, const int32_t*, int64_t,
+                          const float*, const float*, float*, Scratch&);
+
+AttendFn pick_attend(const Geometry& g) {
+  if (g.key_group == 64 && g.head_size == 64) return attend_one<64, 64>;
+  if (g.key_group == 64 && g.head_size == 128) return attend_one<128, 64>;
+  return attend_one<0, 0>;
 }
 
 // Decode attention for `num_seqs` sequences, one query token each.
@@ -213,9 +250,15 @@ void decode(uintptr_t cache_ptr, uintptr_t block_table_ptr, int64_t bt_stride,
   const int64_t D = g.head_size, hq = g.num_q_heads / g.num_kv_heads;
   const int64_t items = num_seqs * g.num_kv_heads;
 
-  auto run = [&](int64_t first, int64_t step) {
-    std::vector<float> scores, codes, folded;
-    for (int64_t item = first; item < items; item += step) {
+  const AttendFn attend = pick_attend(g);
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min(num_threads, items)));
+  // OpenMP shares torch's runtime (torch ships libgomp.so.1 and is loaded first): no second
+  // thread pool competing with torch's spinning workers.
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    Scratch scratch;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < items; ++item) {
       const int64_t s = item / g.num_kv_heads, h = item % g.num_kv_heads;
       const int64_t len = seq_lens[s];
       float* o = out + (s * g.num_q_heads + h * hq) * D;
@@ -223,20 +266,11 @@ void decode(uintptr_t cache_ptr, uintptr_t block_table_ptr, int64_t bt_stride,
         std::fill(o, o + hq * D, 0.f);
         continue;
       }
-      attend_one(g, cache + h * g.head_stride, block_table + s * bt_stride, len,
-                 query + (s * g.num_q_heads + h * hq) * D,
-                 tail + (s * g.num_kv_heads + h) * g.key_group * D, o, scores, codes, folded);
+      attend(g, cache + h * g.head_stride, block_table + s * bt_stride, len,
+             query + (s * g.num_q_heads + h * hq) * D,
+             tail + (s * g.num_kv_heads + h) * g.key_group * D, o, scratch);
     }
-  };
-  const int64_t threads = std::max<int64_t>(1, std::min(num_threads, items));
-  if (threads == 1) {
-    run(0, 1);
-    return;
   }
-  std::vector<std::thread> pool;
-  for (int64_t t = 1; t < threads; ++t) pool.emplace_back(run, t, threads);
-  run(0, threads);
-  for (auto& th : pool) th.join();
 }
 
 }  // namespace
