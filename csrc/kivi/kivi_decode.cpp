@@ -1,4 +1,5 @@
-// vllm_accel._C_kivi: decode attention that reads KIVI-packed pages directly (CPU).
+// vllm_accel._C_kivi: KIVI paged KV cache on the CPU -- decode attention that reads packed
+// pages directly, and quantize-on-write.
 //
 // One query token per sequence attends over the sequence's paged KIVI cache without
 // materialising dequantized K/V (the torch reference dequantizes the whole sequence to fp32
@@ -60,6 +61,41 @@ inline float load_half(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, sizeof(h));
   return half_to_float(h);
+}
+
+// float -> IEEE half, round to nearest even (what torch's .to(torch.float16) does).
+inline uint16_t float_to_half(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, sizeof(x));
+  const uint32_t sign = (x >> 16) & 0x8000u;
+  const uint32_t a = x & 0x7fffffffu;
+  if (a >= 0x7f800000u) return static_cast<uint16_t>(sign | (a > 0x7f800000u ? 0x7e00u : 0x7c00u));
+  if (a >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds past 65504
+  if (a < 0x38800000u) {  // below the smallest normal half: a multiple of 2^-24
+    float af;
+    std::memcpy(&af, &a, sizeof(af));
+    return static_cast<uint16_t>(sign | static_cast<uint32_t>(std::nearbyint(af * 16777216.f)));
+  }
+  uint32_t h = ((((a >> 23) - 127 + 15) << 10) | ((a & 0x7fffffu) >> 13));
+  const uint32_t rem = a & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;
+  return static_cast<uint16_t>(sign | h);
+}
+
+inline void store_half(uint8_t* p, float f) {
+  const uint16_t h = float_to_half(f);
+  std::memcpy(p, &h, sizeof(h));
+}
+
+// A 16-bit model-dtype element (bf16 or fp16) -> float.
+inline float load_16(const uint8_t* p, bool bf16) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof(h));
+  if (!bf16) return half_to_float(h);
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
 }
 
 // Unpack one token row of `d` codes (low channel in the low bits of each byte).
@@ -273,6 +309,121 @@ void decode(uintptr_t cache_ptr, uintptr_t block_table_ptr, int64_t bt_stride,
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Quantize-on-write (vLLM's do_kv_cache_update), byte for byte what the torch reference
+// vllm_accel.kernels.kivi_cache._write_torch writes (same fp32 operations in the same order,
+// fp16 scales rounded to nearest even).
+// ---------------------------------------------------------------------------------------------
+
+// Asymmetric quantization of n values x[i * stride]; returns the fp16-rounded scale and zero.
+inline void quantize_run(const float* x, int64_t n, int64_t stride, int bits, uint8_t* codes,
+                         float* scale_out, float* zero_out) {
+  const float qmax = static_cast<float>((1 << bits) - 1);
+  float lo = x[0], hi = x[0];
+  for (int64_t i = 1; i < n; ++i) {
+    lo = std::min(lo, x[i * stride]);
+    hi = std::max(hi, x[i * stride]);
+  }
+  const float scale = half_to_float(float_to_half(std::min((hi - lo) / qmax, 65504.f)));
+  const float zero = half_to_float(float_to_half(std::min(std::max(lo, -65504.f), 65504.f)));
+  const float safe = scale > 0.f ? scale : 1.f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float c = std::floor((x[i * stride] - zero) / safe + 0.5f);
+    codes[i] = static_cast<uint8_t>(std::min(std::max(c, 0.f), qmax));
+  }
+  *scale_out = scale;
+  *zero_out = zero;
+}
+
+inline void pack_row(const uint8_t* codes, int bits, int64_t d, uint8_t* out) {
+  const int per = 8 / bits;
+  for (int64_t j = 0; j < d / per; ++j) {
+    uint32_t b = 0;
+    for (int i = 0; i < per; ++i) b |= static_cast<uint32_t>(codes[j * per + i]) << (i * bits);
+    out[j] = static_cast<uint8_t>(b);
+  }
+}
+
+struct WriteArgs {
+  uintptr_t cache, key, value, slots, entries, tail;
+  int64_t num_tokens, tail_entry_stride, tail_head_stride;  // tail strides in bytes
+  bool bf16;  // model dtype of key/value/tail rows: bf16 (else fp16)
+};
+
+void write_tokens(const WriteArgs& a, const Geometry& g, int64_t num_threads) {
+  auto* cache = reinterpret_cast<uint8_t*>(a.cache);
+  const auto* key = reinterpret_cast<const uint8_t*>(a.key);  // 16-bit [T, H, D]
+  const auto* value = reinterpret_cast<const uint8_t*>(a.value);
+  const auto* slot = reinterpret_cast<const int64_t*>(a.slots);
+  const auto* entry = reinterpret_cast<const int64_t*>(a.entries);
+  auto* tail = reinterpret_cast<uint8_t*>(a.tail);
+  const int64_t H = g.num_kv_heads, D = g.head_size, N = g.block_size, G = g.key_group;
+  const int64_t vg_w = g.value_group, vgroups = D / vg_w;
+  const int64_t row_bytes = D * 2, tok_bytes = H * D * 2;
+  const int64_t T = a.num_tokens;
+  auto page_of = [&](int64_t s, int64_t h) {
+    return cache + (s / N) * g.block_stride + h * g.head_stride;
+  };
+  auto tail_row = [&](int64_t e, int64_t h, int64_t r) {
+    return tail + e * a.tail_entry_stride + h * a.tail_head_stride + r * row_bytes;
+  };
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min(num_threads, T * H)));
+  // pass 1: key groups completed by this call (reading the tail as it was), values
+#pragma omp parallel num_threads(threads) if (threads > 1 && T * H >= 64)
+  {
+    std::vector<float> x(static_cast<size_t>(G * D));
+    std::vector<uint8_t> codes(static_cast<size_t>(G * D)), col(static_cast<size_t>(G));
+#pragma omp for schedule(static)
+    for (int64_t th = 0; th < T * H; ++th) {
+      const int64_t t = th / H, h = th % H, s = slot[t];
+      if (s < 0) continue;
+      const int64_t off = s % N;
+      uint8_t* page = page_of(s, h);
+      if ((off + 1) % G == 0) {
+        for (int64_t r = 0; r < G; ++r) {
+          const int64_t back = G - 1 - r, cand = t - back;
+          const bool from_in = cand >= 0 && slot[cand] == s - back;
+          const uint8_t* src = from_in ? key + cand * tok_bytes + h * row_bytes
+                                       : tail_row(entry[t], h, r);
+          for (int64_t d = 0; d < D; ++d) x[r * D + d] = load_16(src + 2 * d, a.bf16);
+        }
+        const int64_t grp = off / G;
+        for (int64_t d = 0; d < D; ++d) {  // per channel over the group's G rows
+          float sc, ze;
+          quantize_run(x.data() + d, G, D, static_cast<int>(g.bits_k), col.data(), &sc, &ze);
+          for (int64_t r = 0; r < G; ++r) codes[r * D + d] = col[r];
+          store_half(page + g.off_ks + (grp * D + d) * 2, sc);
+          store_half(page + g.off_kz + (grp * D + d) * 2, ze);
+        }
+        const int64_t k_row = D * g.bits_k / 8;
+        for (int64_t r = 0; r < G; ++r) {
+          pack_row(codes.data() + r * D, static_cast<int>(g.bits_k), D,
+                   page + g.off_kc + (grp * G + r) * k_row);
+        }
+      }
+      const uint8_t* vrow = value + t * tok_bytes + h * row_bytes;
+      for (int64_t d = 0; d < D; ++d) x[d] = load_16(vrow + 2 * d, a.bf16);
+      for (int64_t vg = 0; vg < vgroups; ++vg) {
+        float sc, ze;
+        quantize_run(x.data() + vg * vg_w, vg_w, 1, static_cast<int>(g.bits_v),
+                     codes.data() + vg * vg_w, &sc, &ze);
+        store_half(page + g.off_vs + (off * vgroups + vg) * 2, sc);
+        store_half(page + g.off_vz + (off * vgroups + vg) * 2, ze);
+      }
+      pack_row(codes.data(), static_cast<int>(g.bits_v), D,
+               page + g.off_vc + off * (D * g.bits_v / 8));
+    }
+  }
+  // pass 2: residual keys, in batch order (the last writer of an (entry, row) wins)
+  for (int64_t t = 0; t < T; ++t) {
+    if (slot[t] < 0) continue;
+    for (int64_t h = 0; h < H; ++h) {
+      std::memcpy(tail_row(entry[t], h, (slot[t] % N) % G), key + t * tok_bytes + h * row_bytes,
+                  static_cast<size_t>(row_bytes));
+    }
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C_kivi, m) {
@@ -309,4 +460,23 @@ PYBIND11_MODULE(_C_kivi, m) {
       py::arg("cache"), py::arg("block_table"), py::arg("bt_stride"), py::arg("seq_lens"),
       py::arg("num_seqs"), py::arg("query"), py::arg("tail"), py::arg("out"),
       py::arg("geometry"), py::arg("num_threads"));
+  py::class_<WriteArgs>(m, "WriteArgs")
+      .def(py::init<>())
+      .def_readwrite("cache", &WriteArgs::cache)
+      .def_readwrite("key", &WriteArgs::key)
+      .def_readwrite("value", &WriteArgs::value)
+      .def_readwrite("slots", &WriteArgs::slots)
+      .def_readwrite("entries", &WriteArgs::entries)
+      .def_readwrite("tail", &WriteArgs::tail)
+      .def_readwrite("num_tokens", &WriteArgs::num_tokens)
+      .def_readwrite("tail_entry_stride", &WriteArgs::tail_entry_stride)
+      .def_readwrite("tail_head_stride", &WriteArgs::tail_head_stride)
+      .def_readwrite("bf16", &WriteArgs::bf16);
+  m.def(
+      "write",
+      [](const WriteArgs& args, const Geometry& g, int64_t num_threads) {
+        py::gil_scoped_release release;
+        write_tokens(args, g, num_threads);
+      },
+      py::arg("args"), py::arg("geometry"), py::arg("num_threads"));
 }

@@ -53,13 +53,13 @@ from vllm_accel.kernels.kivi_cache import (
     gather_sequence_kv,
     resolve_backend,
 )
-from vllm_accel.kernels.kivi_cpu import decode_attention, native_problem
+from vllm_accel.kernels.kivi_cpu import decode_attention
 from vllm_accel.kernels.kivi_format import KiviLayout, KiviViews
 
 if HAS_TRITON:
     from vllm_accel.kernels.kivi_cache import _unpack_tile
 
-__all__ = ["kivi_paged_attention", "choose_num_splits", "resolve_attention_backend"]
+__all__ = ["kivi_paged_attention", "choose_num_splits"]
 
 _LOG2E = 1.4426950408889634
 
@@ -686,7 +686,7 @@ def kivi_paged_attention(
         raise ValueError("kivi_paged_attention: residual='tail' needs tail_index [num_seqs]")
     if out is None:
         out = torch.zeros_like(query)
-    backend = resolve_attention_backend(backend, query.device, layout)
+    backend = resolve_backend(backend, query.device, layout)
     if backend == "triton":
         if query.stride(2) != 1 or out.stride(2) != 1:
             raise ValueError("kivi_paged_attention: query/out need a contiguous last dimension")
@@ -720,20 +720,6 @@ def kivi_paged_attention(
         query, cache, block_table, seq_lens, query_start_loc, scale, layout, k_tail, tail_index,
         out, skip=native_rows
     )
-
-
-def resolve_attention_backend(backend: str, device: torch.device, layout: KiviLayout) -> str:
-    """The attention implementation ``backend`` means on ``device`` (see
-    :func:`kivi_paged_attention`); an explicit ``native`` that cannot run raises."""
-    if backend == "native":
-        problem = native_problem(layout, device)
-        if problem is not None:
-            raise RuntimeError(f"KIVI: backend='native' cannot run: {problem}")
-        return backend
-    resolved = resolve_backend(backend, device)
-    if backend == "auto" and resolved == "torch" and native_problem(layout, device) is None:
-        return "native"
-    return resolved
 
 
 def _attention_native_decode(

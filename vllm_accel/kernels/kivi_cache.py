@@ -64,18 +64,30 @@ __all__ = [
     "resolve_backend",
 ]
 
-_BACKENDS = ("auto", "torch", "triton")
+_BACKENDS = ("auto", "torch", "triton", "native")
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """``auto`` -> ``triton`` on CUDA when Triton is importable, else ``torch``.
+def resolve_backend(backend: str, device: torch.device, layout: KiviLayout | None = None) -> str:
+    """``auto`` -> ``triton`` on CUDA when Triton is importable; on CPU ``native`` when the
+    extension can run ``layout`` (given), else ``torch``.
 
-    ``triton`` on a CPU tensor requires ``TRITON_INTERPRET=1`` (set before Triton is imported).
+    ``triton`` on a CPU tensor requires ``TRITON_INTERPRET=1`` (set before Triton is imported);
+    an explicit ``native`` that cannot run raises.
     """
+    from vllm_accel.kernels.kivi_cpu import native_problem
+
     if backend not in _BACKENDS:
         raise ValueError(f"KIVI: invalid backend={backend!r}; allowed: {_BACKENDS}")
     if backend == "auto":
-        return "triton" if (HAS_TRITON and device.type == "cuda") else "torch"
+        if HAS_TRITON and device.type == "cuda":
+            return "triton"
+        if layout is not None and native_problem(layout, device) is None:
+            return "native"
+        return "torch"
+    if backend == "native":
+        problem = native_problem(layout, device) if layout is not None else "no layout given"
+        if problem is not None:
+            raise RuntimeError(f"KIVI: backend='native' cannot run: {problem}")
     if backend == "triton":
         if not HAS_TRITON:
             raise RuntimeError("KIVI: backend='triton' requested but triton is not importable")
@@ -562,7 +574,8 @@ def quantize_on_write(
         k_tail: residual="tail" only: ``layout.dtype [num_entries, H_kv, key_group, D]``.
         tail_mapping: residual="tail" only: ``[T]`` tail entry of each token's key group (all
             tokens of a group share one entry; see kivi_format for the contract).
-        backend: ``auto`` (Triton on CUDA, torch elsewhere), ``torch`` or ``triton``.
+        backend: ``auto`` (Triton on CUDA; on CPU ``native`` when ``vllm_accel._C_kivi`` is
+            built, else torch), ``torch``, ``triton`` or ``native``.
     """
     views = layout.views(cache)
     h = views.k_codes.shape[1]
@@ -583,8 +596,13 @@ def quantize_on_write(
         if tail_mapping is not None:
             raise ValueError("KIVI: tail_mapping must be None with residual='page'")
         entry = torch.div(slot, layout.block_size, rounding_mode="floor")
-    if resolve_backend(backend, key.device) == "triton":
+    resolved = resolve_backend(backend, key.device, layout)
+    if resolved == "triton":
         _write_triton(key, value, views, tail, slot, entry, layout)
+    elif resolved == "native":
+        from vllm_accel.kernels.kivi_cpu import write_tokens
+
+        write_tokens(key, value, layout.page_view(cache), tail, slot, entry, layout)
     else:
         _write_torch(key, value, views, tail, slot, entry, layout)
 

@@ -1,4 +1,5 @@
-"""KIVI decode attention on the CPU, reading packed pages directly (native ``vllm_accel._C_kivi``).
+"""KIVI cache on the CPU through the native ``vllm_accel._C_kivi``: decode attention that reads
+packed pages directly, and quantize-on-write.
 
 The torch reference (:func:`~vllm_accel.kernels.kivi_attention.kivi_paged_attention` with
 ``backend="torch"``) dequantizes a sequence's whole cache to fp32 and runs SDPA, every step:
@@ -7,7 +8,8 @@ a decode step then costs more than with the bf16 cache. The native kernel
 per-token value scales into the softmax weights, unpacks each token's codes once for all query
 heads of its KV head, and reads only the packed bytes (72 B per token and KV head for kivi_4bit
 at D=64 instead of bf16's 256 B). Only decode rows (one query token) use it; prefill rows stay on
-the torch path.
+the torch path. :func:`write_tokens` writes the same bytes as the torch reference write (one
+C++ pass instead of ~50 small torch ops per layer and step).
 
     >>> import torch
     >>> from vllm_accel.kernels.kivi_format import KiviLayout
@@ -43,7 +45,8 @@ except ImportError:  # pragma: no cover - depends on the build
 
 HAS_NATIVE = _C_kivi is not None
 
-__all__ = ["HAS_NATIVE", "native_problem", "decode_attention", "unfinished_group_rows"]
+__all__ = ["HAS_NATIVE", "native_problem", "decode_attention", "unfinished_group_rows",
+           "write_tokens"]
 
 
 def native_problem(layout: KiviLayout, device: torch.device) -> str | None:
@@ -99,17 +102,48 @@ def decode_attention(query: torch.Tensor, cache: torch.Tensor, block_table: torc
     sl = seq_lens.to(torch.int32).contiguous()
     tail = unfinished_group_rows(cache, bt, sl, layout, k_tail, tail_index).contiguous()
     out = torch.empty((num_seqs, hq, d), dtype=torch.float32)
+    _C_kivi.decode(pages.data_ptr(), bt.data_ptr(), bt.shape[1], sl.data_ptr(), num_seqs,
+                   q.data_ptr(), tail.data_ptr(), out.data_ptr(),
+                   _geometry(layout, pages, hq, scale), num_threads or torch.get_num_threads())
+    return out
+
+
+def _geometry(layout: KiviLayout, pages: torch.Tensor, num_q_heads: int, scale: float = 1.0):
+    """The kernel's view of a layer: page regions and the cache's strides (in bytes)."""
     regions = layout.regions
     geo = _C_kivi.Geometry()
     geo.block_stride, geo.head_stride = pages.stride(0), pages.stride(1)
-    geo.page_bytes, geo.num_kv_heads, geo.num_q_heads = layout.page_bytes, hkv, hq
-    geo.head_size, geo.block_size, geo.key_group = d, layout.block_size, layout.key_group
+    geo.page_bytes, geo.num_kv_heads, geo.num_q_heads = layout.page_bytes, pages.shape[1], \
+        num_q_heads
+    geo.head_size, geo.block_size, geo.key_group = (layout.head_size, layout.block_size,
+                                                    layout.key_group)
     geo.bits_k, geo.bits_v, geo.value_group = layout.bits_k, layout.bits_v, layout.value_group
     geo.off_kc, geo.off_vc = regions["k_codes"].offset, regions["v_codes"].offset
     geo.off_ks, geo.off_kz = regions["k_scale"].offset, regions["k_zero"].offset
     geo.off_vs, geo.off_vz = regions["v_scale"].offset, regions["v_zero"].offset
     geo.scale = float(scale)
-    _C_kivi.decode(pages.data_ptr(), bt.data_ptr(), bt.shape[1], sl.data_ptr(), num_seqs,
-                   q.data_ptr(), tail.data_ptr(), out.data_ptr(), geo,
-                   num_threads or torch.get_num_threads())
-    return out
+    return geo
+
+
+def write_tokens(key: torch.Tensor, value: torch.Tensor, pages: torch.Tensor,
+                 tail: torch.Tensor, slot: torch.Tensor, entry: torch.Tensor,
+                 layout: KiviLayout, num_threads: int | None = None) -> None:
+    """Quantize-on-write of ``[T, H_kv, D]`` keys/values into ``pages`` (the layer's
+    ``[num_blocks, H_kv, page_bytes]`` view) and the residual rows ``tail`` (``[E, H_kv, G, D]``
+    of the layout dtype: the tail pool or the pages' residual area), writing the bytes the
+    torch reference writes. ``slot``/``entry``: int64 ``[T]`` (negative slots are skipped)."""
+    problem = native_problem(layout, key.device)
+    if problem is not None:
+        raise RuntimeError(f"KIVI native write: {problem}")
+    k = key.to(layout.dtype).contiguous()
+    v = value.to(layout.dtype).contiguous()
+    s = slot.to(torch.int64).contiguous()
+    e = entry.to(torch.int64).contiguous()
+    args = _C_kivi.WriteArgs()
+    args.cache, args.key, args.value = pages.data_ptr(), k.data_ptr(), v.data_ptr()
+    args.slots, args.entries, args.tail = s.data_ptr(), e.data_ptr(), tail.data_ptr()
+    args.num_tokens = k.shape[0]
+    args.tail_entry_stride = tail.stride(0) * tail.element_size()
+    args.tail_head_stride = tail.stride(1) * tail.element_size()
+    args.bf16 = layout.dtype == torch.bfloat16
+    _C_kivi.write(args, _geometry(layout, pages, 1), num_threads or torch.get_num_threads())

@@ -8,10 +8,12 @@ Selected automatically by ``--kv-cache-dtype kivi_4bit`` / ``kivi_2bit`` (CPU pl
   Pages are ``uint8 [num_blocks, H_kv, block_size, C]`` (layout LBHNC, one contiguous page per
   block and KV head, what :class:`~vllm_accel.kernels.kivi_format.KiviLayout` expects).
 * **Builder** -- passes vLLM's varlen metadata through (no scheduler metadata, no C++ op: the
-  CPU backend's builder would hand the unknown dtype name to ``cpu_attn_get_scheduler_metadata``).
+  CPU backend's builder would hand the unknown dtype name to ``cpu_attn_get_scheduler_metadata``)
+  and gives every row its residual-pool entries.
 * **Impl** -- ``do_kv_cache_update`` quantizes on write
   (:func:`~vllm_accel.kernels.kivi_cache.quantize_on_write`); ``forward`` runs
-  :func:`~vllm_accel.kernels.kivi_attention.kivi_paged_attention` (torch path on CPU).
+  :func:`~vllm_accel.kernels.kivi_attention.kivi_paged_attention` (on CPU: decode rows through the
+  native kernel ``vllm_accel._C_kivi`` when built, other rows through the torch path).
 
 Residual placement (knob ``residual``, :mod:`vllm_accel.kv_quant.config`): with ``"tail"`` (the
 default) the keys of each running request's unfinished 64-token key group live in a
@@ -46,8 +48,8 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from vllm_accel.attention import step_requests
 from vllm_accel.attention.registry import KV_CACHE_DTYPE_BACKENDS
-from vllm_accel.kernels.kivi_attention import kivi_paged_attention, resolve_attention_backend
-from vllm_accel.kernels.kivi_cache import quantize_on_write
+from vllm_accel.kernels.kivi_attention import kivi_paged_attention
+from vllm_accel.kernels.kivi_cache import quantize_on_write, resolve_backend
 from vllm_accel.kernels.kivi_format import PRESETS, KiviLayout
 from vllm_accel.kv_quant.config import KvQuantKnobs, load_knobs
 from vllm_accel.kv_quant.tail_pool import TailPool
@@ -339,19 +341,18 @@ class KiviAttentionImpl(AttentionImpl):
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.knobs: KvQuantKnobs = load_knobs(additional)
         _BUILT_RESIDUAL["mode"] = self.knobs.residual
-        # the write path has no native kernel: "native" means the torch write + native decode
-        self.write_kernel = "torch" if self.knobs.kernel == "native" else self.knobs.kernel
         device = torch.device(config.device_config.device if config is not None else "cpu")
         probe = page_layout(kv_cache_dtype, head_size, 128, model_dtype, self.knobs.residual)
         try:
-            self.attention_kernel = resolve_attention_backend(self.knobs.kernel, device, probe)
+            self.kernel = resolve_backend(self.knobs.kernel, device, probe)
         except RuntimeError as exc:
             raise ValueError(f"{flag}: vllm_accel.kv_quant.kernel={self.knobs.kernel!r}: {exc}; "
                              f"supported here: auto, torch") from exc
-        if self.attention_kernel not in _LOGGED_KERNELS:
-            _LOGGED_KERNELS.add(self.attention_kernel)
-            logger.info("%s: attention kernel %s (knob vllm_accel.kv_quant.kernel=%s)", flag,
-                        self.attention_kernel, self.knobs.kernel)
+        if self.kernel not in _LOGGED_KERNELS:
+            _LOGGED_KERNELS.add(self.kernel)
+            logger.info("%s: cache write and attention kernel %s (knob "
+                        "vllm_accel.kv_quant.kernel=%s)", flag, self.kernel,
+                        self.knobs.kernel)
         self._layouts: dict[int, KiviLayout] = {}
 
     def layout_for(self, kv_cache: torch.Tensor) -> KiviLayout:
@@ -394,7 +395,7 @@ class KiviAttentionImpl(AttentionImpl):
             k_tail = metadata.tail_pool.layer(layer.layer_name)
             tail_mapping = metadata.tail_mapping[:n]
         quantize_on_write(key[:n], value[:n], kv_cache, slot_mapping, layout,
-                          k_tail=k_tail, tail_mapping=tail_mapping, backend=self.write_kernel)
+                          k_tail=k_tail, tail_mapping=tail_mapping, backend=self.kernel)
 
     def forward(self, layer: AttentionLayer, query: torch.Tensor, key: torch.Tensor,
                 value: torch.Tensor, kv_cache: torch.Tensor,
@@ -414,7 +415,7 @@ class KiviAttentionImpl(AttentionImpl):
             query[:n], kv_cache, attn_metadata.block_table, attn_metadata.seq_lens,
             attn_metadata.query_start_loc, self.scale, layout,
             out=output[:n], max_query_len=attn_metadata.max_query_len,
-            max_seq_len=attn_metadata.max_seq_len, backend=self.attention_kernel,
+            max_seq_len=attn_metadata.max_seq_len, backend=self.kernel,
             k_tail=k_tail, tail_index=attn_metadata.tail_index,
         )
         return output

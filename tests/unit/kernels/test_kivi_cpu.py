@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_accel.kernels.kivi_attention import kivi_paged_attention, resolve_attention_backend
-from vllm_accel.kernels.kivi_cache import quantize_on_write, tail_entries
+from vllm_accel.kernels.kivi_attention import kivi_paged_attention
+from vllm_accel.kernels.kivi_cache import quantize_on_write, resolve_backend, tail_entries
 from vllm_accel.kernels.kivi_cpu import HAS_NATIVE, decode_attention, native_problem
 from vllm_accel.kernels.kivi_format import KiviLayout
 
@@ -94,4 +94,46 @@ def test_mixed_batch_sends_only_decode_rows_to_the_native_kernel():
         backend=backend, out=torch.zeros(q.shape, dtype=torch.float32))
     native, ref = run("native"), run("torch")
     torch.testing.assert_close(native, ref, atol=1e-4, rtol=1e-4)
-    assert resolve_attention_backend("auto", torch.device("cpu"), layout) == "native"
+    assert resolve_backend("auto", torch.device("cpu"), layout) == "native"
+
+
+@pytest.mark.parametrize("bits_k, bits_v, value_group, residual", [
+    (4, 4, None, "tail"), (2, 2, None, "tail"), (4, 2, 16, "page"), (8, 8, None, "tail"),
+])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_native_write_writes_the_bytes_of_the_torch_write(bits_k, bits_v, value_group,
+                                                          residual, dtype):
+    """Prefill chunks that complete groups from this call's tokens and from the tail, decode
+    steps, padding and two sequences sharing a call: cache and tail bytes identical."""
+    layout = KiviLayout(bits_k, bits_v, head_size=64, block_size=128, key_group=32,
+                        value_group=value_group, dtype=dtype, residual=residual)
+    gen = torch.Generator().manual_seed(7)
+    lengths = {0: 300, 1: 150}
+    tables = {0: [3, 1, 6], 1: [2, 5]}
+    caches = {b: layout.allocate(8, 2) for b in ("torch", "native")}
+    tails = {b: layout.allocate_tail(4, 2) for b in ("torch", "native")}
+    keys = {i: torch.randn(n, 2, 64, generator=gen) * 3 for i, n in lengths.items()}
+    vals = {i: torch.randn(n, 2, 64, generator=gen) for i, n in lengths.items()}
+    keys[0][:, :, 5] += 40.0  # an outlier channel
+    done = {0: 0, 1: 0}
+    for chunk in ((45, 20), (40, 60), (1, 1), (1, 1), (100, 0), (1, 68), (112, 0)):
+        slot, entry, ks, vs = [], [], [], []
+        for i, n in enumerate(chunk):
+            pos = torch.arange(done[i], done[i] + n)
+            slot.append(torch.tensor(tables[i])[pos // 128] * 128 + pos % 128)
+            entry.append(2 * i + (pos // 32) % 2)
+            ks.append(keys[i][pos])
+            vs.append(vals[i][pos])
+            done[i] += n
+        slot.append(torch.full((2,), -1))  # padding
+        entry.append(torch.zeros(2, dtype=torch.long))
+        ks.append(torch.zeros(2, 2, 64))
+        vs.append(torch.zeros(2, 2, 64))
+        slot, entry, k, v = (torch.cat(x) for x in (slot, entry, ks, vs))
+        for b in ("torch", "native"):
+            tail_args = ({"k_tail": tails[b], "tail_mapping": entry}
+                         if residual == "tail" else {})
+            quantize_on_write(k, v, caches[b], slot, layout, backend=b, **tail_args)
+    assert done == lengths
+    assert torch.equal(caches["native"], caches["torch"])
+    assert torch.equal(tails["native"], tails["torch"])
