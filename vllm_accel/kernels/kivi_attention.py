@@ -37,6 +37,7 @@ Two implementations behind one function:
 from __future__ import annotations
 
 import functools
+from collections.abc import Collection
 
 import torch
 
@@ -667,9 +668,8 @@ def kivi_paged_attention(
             :mod:`vllm_accel.kernels.kivi_cpu`, the other rows through the torch path).
     Returns ``out``.
     """
-    views = layout.views(cache)
     t_n, hq, d = query.shape
-    hkv = views.k_codes.shape[1]
+    hkv = cache.shape[1]
     if d != layout.head_size:
         raise ValueError(
             f"kivi_paged_attention: query head_size={d} does not match "
@@ -681,6 +681,7 @@ def kivi_paged_attention(
         )
     if query_start_loc.numel() != seq_lens.numel() + 1:
         raise ValueError("kivi_paged_attention: query_start_loc must have num_seqs + 1 entries")
+    views = layout.views(cache) if layout.residual == "page" or k_tail is None else None
     tail = _resolve_tail(layout, views, k_tail, hkv)
     if layout.residual == "tail" and tail_index is None:
         raise ValueError("kivi_paged_attention: residual='tail' needs tail_index [num_seqs]")
@@ -692,7 +693,7 @@ def kivi_paged_attention(
             raise ValueError("kivi_paged_attention: query/out need a contiguous last dimension")
         return _attention_triton(
             query,
-            views,
+            layout.views(cache) if views is None else views,
             tail,
             block_table,
             seq_lens.to(torch.int32).contiguous(),
@@ -714,7 +715,7 @@ def kivi_paged_attention(
     if backend == "native":
         native_rows = _attention_native_decode(
             query, cache, block_table, seq_lens, query_start_loc, scale, layout, k_tail,
-            tail_index, out
+            tail_index, out, max_query_len
         )
     return _attention_torch(
         query, cache, block_table, seq_lens, query_start_loc, scale, layout, k_tail, tail_index,
@@ -723,9 +724,15 @@ def kivi_paged_attention(
 
 
 def _attention_native_decode(
-    query, cache, block_table, seq_lens, qsl, scale, layout, k_tail, tail_index, out
-) -> set[int]:
+    query, cache, block_table, seq_lens, qsl, scale, layout, k_tail, tail_index, out,
+    max_query_len
+) -> Collection[int]:
     """Decode rows (one query token) through the native kernel; returns their sequences."""
+    num_seqs = seq_lens.shape[0]
+    if max_query_len == 1 and query.shape[0] == num_seqs:  # pure decode: one row per sequence
+        out.copy_(decode_attention(query, cache, block_table, seq_lens, scale, layout,
+                                   k_tail=k_tail, tail_index=tail_index))
+        return range(num_seqs)
     starts = qsl.tolist()
     seqs = [i for i in range(len(starts) - 1) if starts[i + 1] - starts[i] == 1]
     if not seqs:

@@ -137,3 +137,15 @@ def test_native_write_writes_the_bytes_of_the_torch_write(bits_k, bits_v, value_
     assert done == lengths
     assert torch.equal(caches["native"], caches["torch"])
     assert torch.equal(tails["native"], tails["torch"])
+
+
+def test_pure_decode_batch_takes_the_direct_path():
+    layout = KiviLayout(4, 4, head_size=64, block_size=128, key_group=64)
+    seq_lens = [150, 64, 1]
+    cache, tail, table, tail_index = _filled_cache(layout, seq_lens, 2, seed=9)
+    q = torch.randn(3, 4, 64, dtype=torch.bfloat16)
+    run = lambda backend: kivi_paged_attention(  # noqa: E731
+        q, cache, table, torch.tensor(seq_lens), torch.arange(4), 0.125, layout, k_tail=tail,
+        tail_index=tail_index, backend=backend, max_query_len=1,
+        out=torch.zeros(q.shape, dtype=torch.float32))
+    torch.testing.assert_close(run("native"), run("torch"), atol=1e-4, rtol=1e-4)
