@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from vllm_accel.bench.harness import BenchError
+from vllm_accel.bench.harness import BenchError, engine_settings, run_side
 from vllm_accel.quality.prompts import chat_ids, load_tokenizer
 
 KV_TOKENS = re.compile(r"KV cache size: ([\d,]+) tokens")
@@ -65,6 +65,32 @@ def test_default_model_kivi_4bit_answers_correctly(generate, default_model):
     assert "Using ACCEL_KIVI_4BIT backend on CPU" in log
     assert "Paris" in out[0]["text"]
     assert "def " in out[1]["text"]
+
+
+def test_residual_pool_survives_preemption_and_prefix_caching(tiny_llama, tmp_path):
+    """A KV cache so small that decoding preempts requests (a preempted request keeps its pool
+    slot; its recompute rewrites the unfinished group) and prompts that share full blocks
+    (prefix-cache hits start past complete groups): same tokens as the in-page residual with
+    the same number of blocks, hence the same schedule. Four usable 128-token blocks, three
+    requests of up to 320 tokens at once: decoding preempts (both counters asserted)."""
+    def ids(seed, n):
+        return [(seed * 31 + 7 * j) % 500 + 1 for j in range(n)]
+
+    shared = ids(1, 260)
+    prompts = [shared, shared, shared[:140] + ids(2, 60), ids(3, 200), ids(4, 70), ids(5, 40)]
+    outs = {}
+    for residual in ("tail", "page"):
+        engine = engine_settings(tiny_llama, 512, 0.2, {
+            "kv_cache_dtype": "kivi_4bit", "enable_prefix_caching": True,
+            "num_gpu_blocks_override": 5, "max_num_seqs": 3,
+            "additional_config": {"vllm_accel": {"kv_quant": {"residual": residual}}}})
+        task = {"kind": "generate", "name": "out", "prompts": prompts, "max_tokens": 60,
+                "ignore_eos": True}
+        result = run_side(residual, engine, [task], timeout_s=900, log_dir=tmp_path)
+        events = result["events"]["out"]
+        assert events["preemptions"] > 0 and events["prefix_cache_hit_tokens"] > 0, events
+        outs[residual] = [o["token_ids"] for o in result["tasks"]["out"]]
+    assert outs["tail"] == outs["page"]
 
 
 def test_unknown_kivi_name_keeps_vllms_error(tiny_llama):
