@@ -52,10 +52,9 @@ PATCH = RuntimePatch(
 
 
 def enable() -> None:
-    """Apply the patch in this process unless it is already active."""
+    """Apply the patch in this process (a no-op when it is already active)."""
     import vllm
 
-    from vllm_accel.patching import active_patches, apply
+    from vllm_accel.patching import apply
 
-    if not any(p.name == PATCH.name for p in active_patches()):
-        apply(PATCH, vllm.__version__)
+    apply(PATCH, vllm.__version__)

@@ -41,12 +41,11 @@ def residual_pool_bytes(engine: dict[str, Any]) -> int:
     from pathlib import Path
 
     from vllm_accel.kernels.kivi_format import PRESETS
-    from vllm_accel.kv_quant.tail_pool import pool_bytes
+    from vllm_accel.kv_quant.config import load_knobs
+    from vllm_accel.kv_quant.tail_pool import entries_per_request, pool_bytes
 
     dtype = engine.get("kv_cache_dtype", "auto")
-    residual = (engine.get("additional_config", {}).get("vllm_accel", {})
-                .get("kv_quant", {}).get("residual", "tail"))
-    if dtype not in PRESETS or residual != "tail":
+    if dtype not in PRESETS or load_knobs(engine.get("additional_config")).residual != "tail":
         return 0
     cfg = json.loads((Path(engine["model"]) / "config.json").read_text())
     heads = cfg["num_attention_heads"]
@@ -55,7 +54,7 @@ def residual_pool_bytes(engine: dict[str, Any]) -> int:
         key_group=PRESETS[dtype]["key_group"],
         head_size=cfg.get("head_dim") or cfg["hidden_size"] // heads,
         max_requests=engine["max_num_seqs"],
-        entries_per_slot=2 if engine.get("speculative_config") else 1)
+        entries_per_slot=entries_per_request(bool(engine.get("speculative_config"))))
 
 
 def finish_engine(engine: dict[str, Any]) -> dict[str, Any]:

@@ -52,7 +52,7 @@ from vllm_accel.kernels.kivi_attention import kivi_paged_attention
 from vllm_accel.kernels.kivi_cache import quantize_on_write, resolve_backend
 from vllm_accel.kernels.kivi_format import PRESETS, KiviLayout
 from vllm_accel.kv_quant.config import KvQuantKnobs, load_knobs
-from vllm_accel.kv_quant.tail_pool import TailPool
+from vllm_accel.kv_quant.tail_pool import TailPool, entries_per_request
 from vllm_accel.log import get_logger
 
 logger = get_logger("kv_quant")
@@ -247,8 +247,7 @@ def tail_pool_for(kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_con
             key_group=key_group(kv_cache_dtype), head_size=kv_cache_spec.head_size,
             dtype=vllm_config.model_config.dtype, device=device,
             max_requests=vllm_config.scheduler_config.max_num_seqs,
-            # drafts rolled back across a group boundary must not clobber the previous group
-            entries_per_slot=2 if vllm_config.speculative_config is not None else 1)
+            entries_per_slot=entries_per_request(vllm_config.speculative_config is not None))
         _POOLS[key] = pool
         logger.info("KIVI residual pool: %s", pool.describe())
     return pool

@@ -31,6 +31,12 @@ logger = get_logger("kv_quant")
 SCRATCH_SLOT = 0
 
 
+def entries_per_request(speculative: bool) -> int:
+    """Pool entries per request: two with speculative decoding (drafts rolled back across a
+    group boundary must not clobber the previous group's rows), else one."""
+    return 2 if speculative else 1
+
+
 def pool_bytes(*, num_layers: int, num_kv_heads: int, key_group: int, head_size: int,
                max_requests: int, entries_per_slot: int, dtype_bytes: int = 2) -> int:
     """Bytes of a :class:`TailPool` (``max_requests`` slots plus the scratch slot)."""
