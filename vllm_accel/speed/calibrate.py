@@ -9,11 +9,17 @@ with real compute skip) on a small calibration set, for each cut:
 * **continuation perplexity**: essays split into a prompt and a continuation; the continuation
   is scored token by token as decode tokens (full depth), after a SPEED prefill of the prompt
   (the quantity SPEED changes: how well decoding sees a prompt it only read shallowly);
+* **code**: next-line completion in Python standard-library files (the split
+  :func:`vllm_accel.speed.adapt.data.code_files` keeps out of adaptation training): the greedy
+  line must equal the file's next line;
 
 and reports, next to them, what the cut saves: the fraction of layer compute prompt tokens skip
 (≈ the prefill FLOP saving, ignoring attention's quadratic part) and of prompt KV memory. The
 recommended cut is the lowest one whose needle accuracy is not below the dense model's and whose
 perplexity is within ``ppl_tolerance`` of it.
+
+``adapted`` models (``vllm-accel speed-adapt`` outputs) are evaluated on the same cases at the
+cut each was adapted for (read from its config), as a second curve next to the untuned one.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ class CalibrationPlan:
     ppl_prompt_tokens: int = 768
     ppl_continuation_tokens: int = 128
     ppl_tolerance: float = 0.05
+    code_samples: int = 8
+    code_prompt_tokens: int = 512
     seed: int = 0
 
 
@@ -51,6 +59,8 @@ class CutResult:
     prompt_kv_saved: float  # fraction of prompt KV not stored
     multikey_accuracy: float | None = None
     answers: list[str] = field(default_factory=list)
+    code_accuracy: float | None = None
+    model: str = "untuned"  # or "adapted"
 
 
 def _ppl_documents(tokenizer, plan: CalibrationPlan) -> list[tuple[list[int], list[int]]]:
@@ -68,49 +78,119 @@ def _ppl_documents(tokenizer, plan: CalibrationPlan) -> list[tuple[list[int], li
     return docs
 
 
-def calibrate(model_dir: str, plan: CalibrationPlan, log=print) -> dict[str, Any]:
-    import torch
-    from transformers import AutoModelForCausalLM
+@dataclass(frozen=True)
+class CodeCase:
+    prompt_ids: list[int]
+    answer: str  # the file's next line, stripped
 
+
+def build_code_cases(tokenizer, plan: CalibrationPlan) -> list[CodeCase]:
+    """``plan.code_samples`` next-line cases from the evaluation split of stdlib sources."""
+    import random
+
+    from vllm_accel.speed.adapt.data import code_files
+
+    rng = random.Random(plan.seed + 2)
+    files = code_files("eval")
+    cases: list[CodeCase] = []
+    while len(cases) < plan.code_samples and files:
+        lines = rng.choice(files).read_text(encoding="utf-8", errors="replace").splitlines()
+        k = rng.randrange(len(lines) // 2, len(lines))
+        if len(lines[k].strip()) < 12:  # blank lines, lone brackets: too easy
+            continue
+        ids = tokenizer("\n".join(lines[:k]) + "\n", add_special_tokens=False)["input_ids"]
+        if len(ids) >= plan.code_prompt_tokens:
+            cases.append(CodeCase(ids[-plan.code_prompt_tokens:], lines[k].strip()))
+    return cases
+
+
+@dataclass
+class _Tasks:
+    needles: list
+    keys: list
+    docs: list
+    code: list
+
+
+def _evaluate(model, tokenizer, tasks: _Tasks, cut: float, plan: CalibrationPlan,
+              label: str) -> CutResult:
     from vllm_accel.quality import needle, retrieval
-    from vllm_accel.quality.prompts import load_tokenizer
     from vllm_accel.speed.config import SpeedConfig
     from vllm_accel.speed.reference import speed_continuation_logprobs, speed_greedy
 
-    tokenizer = load_tokenizer(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     num_layers = len(model.model.layers)
-    cases = needle.build_cases(tokenizer, [plan.needle_length], list(plan.needle_depths),
-                               seed=plan.seed, needles_per_cell=plan.needles_per_depth)
-    keys = retrieval.build_multikey(tokenizer, [plan.multikey_length], plan.multikey_samples,
-                                    seed=plan.seed + 1)
-    docs = _ppl_documents(tokenizer, plan)
-    results = []
-    for cut in plan.cuts:
-        lower = SpeedConfig(cut=cut).num_lower_layers(num_layers)
+    lower = SpeedConfig(cut=cut).num_lower_layers(num_layers)
 
-        def answer(case, cut=cut) -> str:
-            return tokenizer.decode(speed_greedy(model, case.prompt_ids, 12, cut,
-                                                 plan.anchor_tokens,
-                                                 eos_token_id=tokenizer.eos_token_id),
-                                    skip_special_tokens=True)
+    def answer(prompt_ids, tokens=12) -> str:
+        return tokenizer.decode(speed_greedy(model, prompt_ids, tokens, cut, plan.anchor_tokens,
+                                             eos_token_id=tokenizer.eos_token_id),
+                                skip_special_tokens=True)
 
-        answers = [answer(c) for c in cases]
-        accuracy = sum(needle.score(c, a) for c, a in zip(cases, answers)) / len(cases)
-        multikey = sum(retrieval.score(c, answer(c)) for c in keys) / len(keys)
-        logprobs = [lp for prompt, cont in docs
-                    for lp in speed_continuation_logprobs(model, prompt, cont, cut,
-                                                          plan.anchor_tokens)]
-        ppl = math.exp(-sum(logprobs) / len(logprobs))
-        skipped = (num_layers - lower) / num_layers
-        results.append(CutResult(cut, lower, accuracy, ppl, skipped, skipped, multikey,
-                                 answers))
-        log(f"cut {cut:<6} ({lower:>2}/{num_layers} layers): needle {accuracy:.2f}  "
-            f"multi-key {multikey:.2f}  continuation ppl {ppl:.3f}  "
-            f"prompt compute/KV saved {skipped:.0%}")
+    answers = [answer(c.prompt_ids) for c in tasks.needles]
+    accuracy = sum(needle.score(c, a) for c, a in zip(tasks.needles, answers)) / len(answers)
+    multikey = sum(retrieval.score(c, answer(c.prompt_ids)) for c in tasks.keys) / max(
+        1, len(tasks.keys))
+    logprobs = [lp for prompt, cont in tasks.docs
+                for lp in speed_continuation_logprobs(model, prompt, cont, cut,
+                                                      plan.anchor_tokens)]
+    ppl = math.exp(-sum(logprobs) / len(logprobs))
+    code = (sum(answer(c.prompt_ids, 32).split("\n")[0].strip() == c.answer
+                for c in tasks.code) / len(tasks.code)) if tasks.code else None
+    skipped = (num_layers - lower) / num_layers
+    return CutResult(cut, lower, accuracy, ppl, skipped, skipped, multikey, answers, code, label)
+
+
+def _load(model_dir: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def calibrate(model_dir: str, plan: CalibrationPlan, adapted: tuple[str, ...] = (),
+              log=print) -> dict[str, Any]:
+    from vllm_accel.quality import needle, retrieval
+    from vllm_accel.quality.prompts import load_tokenizer
+    from vllm_accel.speed.config import adapted_knobs
+
+    tokenizer = load_tokenizer(model_dir)
+    tasks = _Tasks(
+        needle.build_cases(tokenizer, [plan.needle_length], list(plan.needle_depths),
+                           seed=plan.seed, needles_per_cell=plan.needles_per_depth),
+        retrieval.build_multikey(tokenizer, [plan.multikey_length], plan.multikey_samples,
+                                 seed=plan.seed + 1),
+        _ppl_documents(tokenizer, plan), build_code_cases(tokenizer, plan))
+    runs = [(model_dir, cut, "untuned") for cut in plan.cuts]
+    for path in adapted:
+        knobs = adapted_knobs(_load_config(path))
+        if "cut" not in knobs:
+            raise ValueError(f"--adapted {path}: not a SPEED-adapted model (no "
+                             f"vllm_accel_speed in its config.json)")
+        runs.append((path, knobs["cut"], "adapted"))
+    results, loaded, num_layers = [], {}, 0
+    for path, cut, label in runs:
+        if path not in loaded:
+            loaded.clear()  # one model in memory at a time
+            loaded[path] = _load(path)
+        model = loaded[path]
+        num_layers = len(model.model.layers)
+        r = _evaluate(model, tokenizer, tasks, cut, plan, label)
+        results.append(r)
+        code = "-" if r.code_accuracy is None else f"{r.code_accuracy:.2f}"
+        log(f"{label:>8} cut {cut:<6} ({r.num_lower_layers:>2}/{num_layers} "
+            f"layers): needle {r.needle_accuracy:.2f}  multi-key {r.multikey_accuracy:.2f}  "
+            f"code {code}  continuation ppl {r.perplexity:.3f}  "
+            f"prompt compute/KV saved {r.prompt_compute_saved:.0%}")
+    untuned = [r for r in results if r.model == "untuned"]
     return {"model": model_dir, "num_layers": num_layers, "plan": asdict(plan),
-            "results": [asdict(r) for r in results],
-            "recommended_cut": recommend(results, plan.ppl_tolerance)}
+            "adapted": list(adapted), "results": [asdict(r) for r in results],
+            "recommended_cut": recommend(untuned, plan.ppl_tolerance)}
+
+
+def _load_config(model_dir: str):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_dir)
 
 
 def recommend(results: list[CutResult], ppl_tolerance: float) -> float | None:
@@ -125,42 +205,57 @@ def recommend(results: list[CutResult], ppl_tolerance: float) -> float | None:
     return min(ok, key=lambda r: r.num_lower_layers).cut if ok else dense.cut
 
 
+def _fmt(value) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
 def table(report: dict[str, Any]) -> str:
     lines = [f"SPEED calibration: {report['model']} ({report['num_layers']} layers)",
-             f"{'cut':>6} {'lower':>6} {'needle':>7} {'multi-key':>10} {'cont. ppl':>10} "
-             f"{'saved':>6}"]
+             f"{'weights':>8} {'cut':>6} {'lower':>6} {'needle':>7} {'multi-key':>10} "
+             f"{'code':>6} {'cont. ppl':>10} {'saved':>6}"]
     for r in report["results"]:
-        multikey = r.get("multikey_accuracy")
-        lines.append(f"{r['cut']:>6} {r['num_lower_layers']:>6} {r['needle_accuracy']:>7.2f} "
-                     f"{'-' if multikey is None else f'{multikey:.2f}':>10} "
-                     f"{r['perplexity']:>10.3f} {r['prompt_compute_saved']:>6.0%}")
-    lines.append(f"recommended cut: {report['recommended_cut']} (lowest cut keeping the dense "
-                 f"needle and multi-key accuracy and perplexity within "
+        lines.append(f"{r.get('model', 'untuned'):>8} {r['cut']:>6} {r['num_lower_layers']:>6} "
+                     f"{r['needle_accuracy']:>7.2f} {_fmt(r.get('multikey_accuracy')):>10} "
+                     f"{_fmt(r.get('code_accuracy')):>6} {r['perplexity']:>10.3f} "
+                     f"{r['prompt_compute_saved']:>6.0%}")
+    lines.append(f"recommended cut for the untuned weights: {report['recommended_cut']} (lowest "
+                 f"cut keeping the dense needle and multi-key accuracy and perplexity within "
                  f"{report['plan']['ppl_tolerance']:.0%})")
     return "\n".join(lines)
 
 
 def write_plot(report: dict[str, Any], path: str) -> None:
+    """Retrieval accuracy and perplexity ratio against the cut; untuned solid, adapted dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = report["results"]
-    cuts = [r["num_lower_layers"] / report["num_layers"] for r in rows]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(cuts, [r["needle_accuracy"] for r in rows], "o-", label="needle accuracy")
-    if all(r.get("multikey_accuracy") is not None for r in rows):
-        ax.plot(cuts, [r["multikey_accuracy"] for r in rows], "d-",
-                label="multi-key accuracy")
     dense_ppl = max(rows, key=lambda r: r["num_lower_layers"])["perplexity"]
-    ax.plot(cuts, [dense_ppl / r["perplexity"] for r in rows], "s-",
-            label="dense ppl / ppl (1 = no loss)")
-    ax.plot(cuts, [r["prompt_compute_saved"] for r in rows], "^--",
-            label="prompt compute & KV saved")
-    ax.set_xlabel("fraction of layers that see prompt tokens (cut)")
-    ax.set_ylim(0, 1.05)
-    ax.legend(loc="lower left")
-    ax.set_title(f"SPEED on {report['model'].rstrip('/').split('/')[-1]} (untuned weights)")
+    fig, (acc, ppl) = plt.subplots(1, 2, figsize=(10, 4))
+    for label, style in (("untuned", "-"), ("adapted", "--")):
+        mine = sorted((r for r in rows if r.get("model", "untuned") == label),
+                      key=lambda r: r["num_lower_layers"])
+        if not mine:
+            continue
+        cuts = [r["num_lower_layers"] / report["num_layers"] for r in mine]
+        acc.plot(cuts, [r["needle_accuracy"] for r in mine], "o" + style,
+                 label=f"needle, {label}")
+        acc.plot(cuts, [r.get("multikey_accuracy") or 0.0 for r in mine], "d" + style,
+                 label=f"multi-key, {label}")
+        if all(r.get("code_accuracy") is not None for r in mine):
+            acc.plot(cuts, [r["code_accuracy"] for r in mine], "^" + style,
+                     label=f"code next line, {label}")
+        ppl.plot(cuts, [r["perplexity"] / dense_ppl for r in mine], "s" + style,
+                 label=f"{label}")
+    acc.set_ylim(0, 1.05)
+    acc.set_ylabel("accuracy")
+    ppl.axhline(1.0, color="gray", lw=0.8)
+    ppl.set_ylabel("continuation perplexity / dense")
+    for ax in (acc, ppl):
+        ax.set_xlabel("fraction of layers that see prompt tokens (cut)")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"SPEED on {report['model'].rstrip('/').split('/')[-1]}: untuned vs adapted")
     fig.tight_layout()
     fig.savefig(path)

@@ -20,10 +20,11 @@ fraction 1.0. ``anchor_tokens`` is how many leading prompt positions keep KV in 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_accel.config import AccelConfigError, knob, register_section
+from vllm_accel.config import ROOT, AccelConfigError, knob, load_section, register_section
 
 SECTION = "speed"
 DEFAULT_CUT = 0.75
@@ -111,3 +112,40 @@ class SpeedConfig:
     def is_dense(self, num_layers: int) -> bool:
         """True when every layer sees the prompt (SPEED then changes nothing)."""
         return self.num_lower_layers(num_layers) == num_layers
+
+
+#: Key of a SPEED-adapted model's ``config.json`` (written by ``vllm-accel speed-adapt``) that
+#: holds the cut and anchor it was adapted for: ``{"cut": 0.75, "anchor_tokens": 1, ...}``.
+ADAPTED_CONFIG_KEY = "vllm_accel_speed"
+
+
+def adapted_knobs(hf_config: Any) -> dict[str, Any]:
+    """``{"cut": ..., "anchor_tokens": ...}`` of a SPEED-adapted model's config (else empty)."""
+    adapted = getattr(hf_config, ADAPTED_CONFIG_KEY, None) or {}
+    if not isinstance(adapted, dict):
+        raise AccelConfigError(f"model config {ADAPTED_CONFIG_KEY} must be a JSON object, got "
+                               f"{adapted!r}")
+    return {k: adapted[k] for k in ("cut", "anchor_tokens") if k in adapted}
+
+
+def resolve_speed_config(additional_config: dict[str, Any] | None, hf_config: Any,
+                         environ=None) -> tuple[SpeedConfig, dict[str, str]]:
+    """The SPEED knobs for a model: explicit knobs (``--additional-config``, env) win, then the
+    adapted model's own values (:data:`ADAPTED_CONFIG_KEY`), then the defaults.
+
+    Returns the config and, per knob, where its value came from (``"flag"``, ``"model"`` or
+    ``"default"``), so start-up can log it and warn when a flag overrides what the model was
+    adapted for.
+    """
+    environ = os.environ if environ is None else environ
+    explicit = dict(((additional_config or {}).get(ROOT, {}) or {}).get(SECTION, {}) or {})
+    explicit.update({key: environ[f"VLLM_ACCEL_SPEED_{key.upper()}"] for key in
+                     ("cut", "anchor_tokens") if f"VLLM_ACCEL_SPEED_{key.upper()}" in environ})
+    adapted = adapted_knobs(hf_config)
+    merged = dict(additional_config or {})
+    merged[ROOT] = dict(merged.get(ROOT, {}) or {})
+    merged[ROOT][SECTION] = {**adapted, **explicit}
+    config = load_section(SECTION, merged, environ=environ)
+    sources = {key: "flag" if key in explicit else "model" if key in adapted else "default"
+               for key in ("cut", "anchor_tokens")}
+    return config, sources

@@ -31,9 +31,14 @@ from vllm.model_executor.models.llama import LlamaForCausalLM
 from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 
 from vllm_accel._patches import attention_step_requests
-from vllm_accel.config import AccelConfigError, load_section
+from vllm_accel.config import AccelConfigError
 from vllm_accel.log import get_logger
-from vllm_accel.speed.config import SECTION, SpeedConfig
+from vllm_accel.speed.config import (
+    ADAPTED_CONFIG_KEY,
+    SpeedConfig,
+    adapted_knobs,
+    resolve_speed_config,
+)
 from vllm_accel.speed.registration import NAME, speed_selected
 
 logger = get_logger("speed")
@@ -57,6 +62,24 @@ def _upper_kv_cache_spec(anchor_tokens: int):
     return get_kv_cache_spec
 
 
+def _log_adapted(config: SpeedConfig, sources: dict[str, str], hf_config: Any) -> None:
+    """Say where the cut came from; warn when a flag overrides what the model was adapted for."""
+    adapted = adapted_knobs(hf_config)
+    if not adapted:
+        if sources["cut"] == "default":
+            logger.info("%s: the model is not SPEED-adapted (no %s in its config); untuned "
+                        "weights lose quality under SPEED, see `vllm-accel speed-adapt`",
+                        NAME, ADAPTED_CONFIG_KEY)
+        return
+    for key, value in adapted.items():
+        if sources[key] == "flag" and getattr(config, key) != value:
+            logger.warning("%s: %s=%r overrides the model's adapted %s=%r; quality is only "
+                           "measured at the adapted value", NAME, key, getattr(config, key),
+                           key, value)
+        elif sources[key] == "model":
+            logger.info("%s: %s=%r from the adapted model's config", NAME, key, value)
+
+
 class _SpeedMixin:
     """The SPEED forward over a vLLM decoder-only model with ``model.layers`` / ``model.norm``."""
 
@@ -69,7 +92,9 @@ class _SpeedMixin:
 
     def __init__(self, *, vllm_config: Any, prefix: str = "", **kwargs: Any) -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
-        config: SpeedConfig = load_section(SECTION, vllm_config.additional_config)
+        config, sources = resolve_speed_config(vllm_config.additional_config,
+                                               vllm_config.model_config.hf_config)
+        _log_adapted(config, sources, vllm_config.model_config.hf_config)
         layers = self.model.layers
         num_layers = len(layers)
         if getattr(self.model, "start_layer", 0) != 0 or getattr(

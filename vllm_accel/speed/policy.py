@@ -34,6 +34,15 @@ def upper_prompt_positions(prompt_len: int, anchor_tokens: int) -> list[int]:
     return positions
 
 
+def upper_positions(total_len: int, prompt_len: int, anchor_tokens: int) -> list[int]:
+    """Positions of a ``total_len``-token sequence (a ``prompt_len``-token prompt, then decode
+    tokens) that run the upper layers, ascending: the prompt's upper positions, then every
+    decode position."""
+    if total_len < prompt_len:
+        raise ValueError(f"total_len {total_len} < prompt_len {prompt_len}")
+    return upper_prompt_positions(prompt_len, anchor_tokens) + list(range(prompt_len, total_len))
+
+
 def is_upper_active(position: int, prompt_len: int, anchor_tokens: int) -> bool:
     """Whether the token at ``position`` runs the upper layers (decode tokens always do)."""
     _check(prompt_len, anchor_tokens)

@@ -60,7 +60,7 @@ def num_lower_layers(model, cut: int | float) -> int:
 
 # -- the oracle: real compute skip --------------------------------------------------------------
 
-class _LayerCache:
+class LayerCache:
     """One layer's keys/values ``[1, Hkv, n, D]`` (after RoPE) and the positions they hold."""
 
     def __init__(self) -> None:
@@ -85,7 +85,7 @@ def _apply_rope(attn, q, k, cos, sin):
     return sys.modules[type(attn).__module__].apply_rotary_pos_emb(q, k, cos, sin)
 
 
-def _attention(layer, h, cos, sin, positions, cache: _LayerCache) -> torch.Tensor:
+def _attention(layer, h, cos, sin, positions, cache: LayerCache) -> torch.Tensor:
     """Self-attention of rows ``h`` ``[1, n, H]`` against ``cache`` plus themselves, causally."""
     attn = layer.self_attn
     x = layer.input_layernorm(h)
@@ -105,7 +105,7 @@ def _attention(layer, h, cos, sin, positions, cache: _LayerCache) -> torch.Tenso
     return attn.o_proj(out.transpose(1, 2).reshape(1, n, -1))
 
 
-def _run_layers(model, h, positions, caches, layer_ids) -> torch.Tensor:
+def run_layers(model, h, positions, caches, layer_ids) -> torch.Tensor:
     """Run decoder layers ``layer_ids`` on rows ``h`` at ``positions``, appending to ``caches``."""
     cos, sin = model.model.rotary_emb(h, positions[None, :])
     for i in layer_ids:
@@ -170,18 +170,18 @@ def _speed_prefill(model, prompt_ids: Sequence[int], cut: int | float, anchor_to
     num_lower = num_lower_layers(model, cut)
     ids = _prompt_tensor(model, prompt_ids)
     prompt_len = ids.numel()
-    caches = [_LayerCache() for _ in range(num_layers)]
+    caches = [LayerCache() for _ in range(num_layers)]
     lower, upper = range(num_lower), range(num_lower, num_layers)
 
     positions = torch.arange(prompt_len, device=ids.device)
-    h = _run_layers(model, model.model.embed_tokens(ids)[None], positions, caches, lower)
+    h = run_layers(model, model.model.embed_tokens(ids)[None], positions, caches, lower)
     rows = torch.tensor(upper_prompt_positions(prompt_len, anchor_tokens), device=ids.device)
-    h = _run_layers(model, h[:, rows], positions[rows], caches, upper)
+    h = run_layers(model, h[:, rows], positions[rows], caches, upper)
 
     def step(token: int, index: int) -> torch.Tensor:
         pos = torch.tensor([prompt_len + index], device=ids.device)
         x = model.model.embed_tokens(torch.tensor([token], device=ids.device))[None]
-        return _last_logits(model, _run_layers(model, x, pos, caches, range(num_layers)))
+        return _last_logits(model, run_layers(model, x, pos, caches, range(num_layers)))
 
     return _last_logits(model, h), step
 
