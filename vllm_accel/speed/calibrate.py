@@ -234,23 +234,27 @@ def write_plot(report: dict[str, Any], path: str) -> None:
     rows = report["results"]
     dense_ppl = max(rows, key=lambda r: r["num_lower_layers"])["perplexity"]
     fig, (acc, ppl) = plt.subplots(1, 2, figsize=(10, 4))
+    tasks = (("needle_accuracy", "needle", "o", "C0"),
+             ("multikey_accuracy", "multi-key", "d", "C1"),
+             ("code_accuracy", "code next line", "^", "C2"))
+    dense = max(rows, key=lambda r: r["num_lower_layers"])
+    for key, _, _, color in tasks:
+        if dense.get(key) is not None:
+            acc.axhline(dense[key], color=color, lw=0.8, ls=":")
     for label, style in (("untuned", "-"), ("adapted", "--")):
         mine = sorted((r for r in rows if r.get("model", "untuned") == label),
                       key=lambda r: r["num_lower_layers"])
         if not mine:
             continue
         cuts = [r["num_lower_layers"] / report["num_layers"] for r in mine]
-        acc.plot(cuts, [r["needle_accuracy"] for r in mine], "o" + style,
-                 label=f"needle, {label}")
-        acc.plot(cuts, [r.get("multikey_accuracy") or 0.0 for r in mine], "d" + style,
-                 label=f"multi-key, {label}")
-        if all(r.get("code_accuracy") is not None for r in mine):
-            acc.plot(cuts, [r["code_accuracy"] for r in mine], "^" + style,
-                     label=f"code next line, {label}")
-        ppl.plot(cuts, [r["perplexity"] / dense_ppl for r in mine], "s" + style,
-                 label=f"{label}")
+        for key, name, marker, color in tasks:
+            if all(r.get(key) is not None for r in mine):
+                acc.plot(cuts, [r[key] for r in mine], marker + style, color=color,
+                         label=f"{name}, {label}")
+        ppl.plot(cuts, [r["perplexity"] / dense_ppl for r in mine], "s" + style, color="C3",
+                 label=label)
     acc.set_ylim(0, 1.05)
-    acc.set_ylabel("accuracy")
+    acc.set_ylabel("accuracy (dotted: dense)")
     ppl.axhline(1.0, color="gray", lw=0.8)
     ppl.set_ylabel("continuation perplexity / dense")
     for ax in (acc, ppl):

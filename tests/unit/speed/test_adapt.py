@@ -201,6 +201,17 @@ def test_bad_input_fails_before_training(tiny_llama, tmp_path):
         check(_job(tiny_llama, tmp_path, out=str(full)))
 
 
+def test_too_little_disk_fails_before_training(tiny_llama, tmp_path, monkeypatch):
+    import collections
+
+    import vllm_accel.speed.adapt.run as run
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(run.shutil, "disk_usage", lambda path: usage(10**9, 10**9, 1000))
+    with pytest.raises(AdaptError, match="GiB free on that disk"):
+        check(_job(tiny_llama, tmp_path))
+
+
 def test_work_dir_of_another_job_is_refused(tiny_qwen2, tmp_path):
     from vllm_accel.speed.adapt.run import _prepare_work
 

@@ -35,3 +35,36 @@ def test_cli_rejects_cuts_outside_0_1(capsys):
     assert main(["calibrate", "speed", "--cuts", "0.5,1.5"]) == 2
     assert "--cuts 0.5,1.5" in capsys.readouterr().err
     assert main(["calibrate", "speed", "--cuts", "x"]) == 2
+
+
+def test_adapted_models_are_evaluated_at_their_own_cut(tiny_llama, tmp_path):
+    """The same cases for the untuned curve and each adapted model (at the cut in its config);
+    a model without the adapted key is refused."""
+    import json
+    import shutil
+
+    import pytest
+
+    from vllm_accel.quality.prompts import load_tokenizer
+    from vllm_accel.speed.calibrate import CalibrationPlan, build_code_cases, calibrate, table
+    from vllm_accel.speed.config import ADAPTED_CONFIG_KEY
+
+    adapted = tmp_path / "adapted"
+    shutil.copytree(tiny_llama, adapted)
+    config = json.loads((adapted / "config.json").read_text())
+    config[ADAPTED_CONFIG_KEY] = {"cut": 0.5, "anchor_tokens": 1}
+    (adapted / "config.json").write_text(json.dumps(config))
+    plan = CalibrationPlan(cuts=(1.0, 0.5), needle_length=256, needles_per_depth=1,
+                           multikey_length=256, multikey_samples=1, ppl_prompt_tokens=64,
+                           ppl_continuation_tokens=8, code_samples=2, code_prompt_tokens=64)
+    code = build_code_cases(load_tokenizer(tiny_llama), plan)
+    assert len(code) == 2 and all(len(c.prompt_ids) == 64 and c.answer for c in code)
+    report = calibrate(tiny_llama, plan, adapted=(str(adapted),), log=lambda *_: None)
+    rows = [(r["model"], r["cut"], r["num_lower_layers"]) for r in report["results"]]
+    assert rows == [("untuned", 1.0, 4), ("untuned", 0.5, 2), ("adapted", 0.5, 2)]
+    untuned, same = report["results"][1], report["results"][2]
+    # Identical weights here, so the adapted row must reproduce the untuned one exactly.
+    assert same["perplexity"] == untuned["perplexity"] and same["answers"] == untuned["answers"]
+    assert "adapted" in table(report)
+    with pytest.raises(ValueError, match="not a SPEED-adapted model"):
+        calibrate(tiny_llama, plan, adapted=(tiny_llama,), log=lambda *_: None)
