@@ -32,7 +32,7 @@ demo: setup
 
 test: setup
 	$(ACCEL) fetch-model default
-	$(PY) -m pytest tests --benchmark-disable --timeout 1800 -p no:cacheprovider
+	$(PY) -m pytest tests --benchmark-disable --timeout 1800 -p no:cacheprovider --durations=25
 
 test-unit: setup
 	$(PY) -m pytest tests/unit --benchmark-disable -p no:cacheprovider

@@ -238,6 +238,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     plan = calibrate.CalibrationPlan(cuts=cuts, anchor_tokens=args.anchor_tokens,
                                      needles_per_depth=args.needles,
                                      multikey_samples=args.multikey_samples,
+                                     ppl_documents=args.ppl_documents,
                                      code_samples=args.code_samples)
     report = calibrate.calibrate(model_dir, plan, adapted=tuple(args.adapted))
     print(calibrate.table(report))
@@ -380,9 +381,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adapted", action="append", default=[], metavar="DIR",
                    help="a speed-adapt output, evaluated at its own cut on the same cases "
                    "(repeatable)")
-    p.add_argument("--needles", type=int, default=2, help="needles per depth (3 depths)")
-    p.add_argument("--multikey-samples", type=int, default=4)
-    p.add_argument("--code-samples", type=int, default=8)
+    p.add_argument("--needles", type=int, default=2,
+                   help="needles per depth (3 depths); 0 skips the task")
+    p.add_argument("--multikey-samples", type=int, default=4, help="0 skips the task")
+    p.add_argument("--ppl-documents", type=int, default=2,
+                   help="essay continuations scored; 0 skips the task")
+    p.add_argument("--code-samples", type=int, default=4,
+                   help="code continuations scored (one per file); 0 skips the task")
     p.add_argument("--json", help="write the report as JSON here")
     p.add_argument("--plot", help="write a PNG plot here")
     p = sub.add_parser(

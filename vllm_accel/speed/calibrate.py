@@ -9,9 +9,8 @@ with real compute skip) on a small calibration set, for each cut:
 * **continuation perplexity**: essays split into a prompt and a continuation; the continuation
   is scored token by token as decode tokens (full depth), after a SPEED prefill of the prompt
   (the quantity SPEED changes: how well decoding sees a prompt it only read shallowly);
-* **code**: next-line completion in Python standard-library files (the split
-  :func:`vllm_accel.speed.adapt.data.code_files` keeps out of adaptation training): the greedy
-  line must equal the file's next line;
+* **code perplexity**: the same continuation scoring on Python standard-library files (the
+  split :func:`vllm_accel.speed.adapt.data.code_files` keeps out of adaptation training);
 
 and reports, next to them, what the cut saves: the fraction of layer compute prompt tokens skip
 (≈ the prefill FLOP saving, ignoring attention's quadratic part) and of prompt KV memory. The
@@ -44,8 +43,9 @@ class CalibrationPlan:
     ppl_prompt_tokens: int = 768
     ppl_continuation_tokens: int = 128
     ppl_tolerance: float = 0.05
-    code_samples: int = 8
+    code_samples: int = 4
     code_prompt_tokens: int = 512
+    code_continuation_tokens: int = 64
     seed: int = 0
 
 
@@ -53,13 +53,13 @@ class CalibrationPlan:
 class CutResult:
     cut: float
     num_lower_layers: int
-    needle_accuracy: float
-    perplexity: float
+    needle_accuracy: float | None
+    perplexity: float | None
     prompt_compute_saved: float  # fraction of decoder-layer work prompt tokens skip
     prompt_kv_saved: float  # fraction of prompt KV not stored
     multikey_accuracy: float | None = None
     answers: list[str] = field(default_factory=list)
-    code_accuracy: float | None = None
+    code_perplexity: float | None = None
     model: str = "untuned"  # or "adapted"
 
 
@@ -78,30 +78,26 @@ def _ppl_documents(tokenizer, plan: CalibrationPlan) -> list[tuple[list[int], li
     return docs
 
 
-@dataclass(frozen=True)
-class CodeCase:
-    prompt_ids: list[int]
-    answer: str  # the file's next line, stripped
-
-
-def build_code_cases(tokenizer, plan: CalibrationPlan) -> list[CodeCase]:
-    """``plan.code_samples`` next-line cases from the evaluation split of stdlib sources."""
+def build_code_documents(tokenizer, plan: CalibrationPlan) -> list[tuple[list[int], list[int]]]:
+    """``plan.code_samples`` (prompt, continuation) windows of the evaluation split of the
+    standard-library sources, one per file, from a seeded random offset."""
     import random
 
     from vllm_accel.speed.adapt.data import code_files
 
     rng = random.Random(plan.seed + 2)
-    files = code_files("eval")
-    cases: list[CodeCase] = []
-    while len(cases) < plan.code_samples and files:
-        lines = rng.choice(files).read_text(encoding="utf-8", errors="replace").splitlines()
-        k = rng.randrange(len(lines) // 2, len(lines))
-        if len(lines[k].strip()) < 12:  # blank lines, lone brackets: too easy
-            continue
-        ids = tokenizer("\n".join(lines[:k]) + "\n", add_special_tokens=False)["input_ids"]
-        if len(ids) >= plan.code_prompt_tokens:
-            cases.append(CodeCase(ids[-plan.code_prompt_tokens:], lines[k].strip()))
-    return cases
+    span = plan.code_prompt_tokens + plan.code_continuation_tokens
+    docs = []
+    for path in rng.sample(code_files("eval"), len(code_files("eval"))):
+        if len(docs) == plan.code_samples:
+            break
+        ids = tokenizer(path.read_text(encoding="utf-8", errors="replace"),
+                        add_special_tokens=False)["input_ids"]
+        if len(ids) >= span:
+            start = rng.randrange(0, len(ids) - span + 1)
+            docs.append((ids[start : start + plan.code_prompt_tokens],
+                         ids[start + plan.code_prompt_tokens : start + span]))
+    return docs
 
 
 @dataclass
@@ -126,16 +122,19 @@ def _evaluate(model, tokenizer, tasks: _Tasks, cut: float, plan: CalibrationPlan
                                              eos_token_id=tokenizer.eos_token_id),
                                 skip_special_tokens=True)
 
+    def mean(scores: list[float]) -> float | None:
+        return sum(scores) / len(scores) if scores else None
+
+    def perplexity(docs) -> float | None:
+        logprobs = [lp for prompt, cont in docs
+                    for lp in speed_continuation_logprobs(model, prompt, cont, cut,
+                                                          plan.anchor_tokens)]
+        return math.exp(-sum(logprobs) / len(logprobs)) if logprobs else None
+
     answers = [answer(c.prompt_ids) for c in tasks.needles]
-    accuracy = sum(needle.score(c, a) for c, a in zip(tasks.needles, answers)) / len(answers)
-    multikey = sum(retrieval.score(c, answer(c.prompt_ids)) for c in tasks.keys) / max(
-        1, len(tasks.keys))
-    logprobs = [lp for prompt, cont in tasks.docs
-                for lp in speed_continuation_logprobs(model, prompt, cont, cut,
-                                                      plan.anchor_tokens)]
-    ppl = math.exp(-sum(logprobs) / len(logprobs))
-    code = (sum(answer(c.prompt_ids, 32).split("\n")[0].strip() == c.answer
-                for c in tasks.code) / len(tasks.code)) if tasks.code else None
+    accuracy = mean([needle.score(c, a) for c, a in zip(tasks.needles, answers)])
+    multikey = mean([retrieval.score(c, answer(c.prompt_ids)) for c in tasks.keys])
+    ppl, code = perplexity(tasks.docs), perplexity(tasks.code)
     skipped = (num_layers - lower) / num_layers
     return CutResult(cut, lower, accuracy, ppl, skipped, skipped, multikey, answers, code, label)
 
@@ -159,7 +158,7 @@ def calibrate(model_dir: str, plan: CalibrationPlan, adapted: tuple[str, ...] = 
                            seed=plan.seed, needles_per_cell=plan.needles_per_depth),
         retrieval.build_multikey(tokenizer, [plan.multikey_length], plan.multikey_samples,
                                  seed=plan.seed + 1),
-        _ppl_documents(tokenizer, plan), build_code_cases(tokenizer, plan))
+        _ppl_documents(tokenizer, plan), build_code_documents(tokenizer, plan))
     runs = [(model_dir, cut, "untuned") for cut in plan.cuts]
     for path in adapted:
         knobs = adapted_knobs(_load_config(path))
@@ -176,11 +175,9 @@ def calibrate(model_dir: str, plan: CalibrationPlan, adapted: tuple[str, ...] = 
         num_layers = len(model.model.layers)
         r = _evaluate(model, tokenizer, tasks, cut, plan, label)
         results.append(r)
-        code = "-" if r.code_accuracy is None else f"{r.code_accuracy:.2f}"
-        log(f"{label:>8} cut {cut:<6} ({r.num_lower_layers:>2}/{num_layers} "
-            f"layers): needle {r.needle_accuracy:.2f}  multi-key {r.multikey_accuracy:.2f}  "
-            f"code {code}  continuation ppl {r.perplexity:.3f}  "
-            f"prompt compute/KV saved {r.prompt_compute_saved:.0%}")
+        if len(results) == 1:
+            log(HEADER)
+        log(_row(asdict(r)))
     untuned = [r for r in results if r.model == "untuned"]
     return {"model": model_dir, "num_layers": num_layers, "plan": asdict(plan),
             "adapted": list(adapted), "results": [asdict(r) for r in results],
@@ -199,25 +196,30 @@ def recommend(results: list[CutResult], ppl_tolerance: float) -> float | None:
     if not results:
         return None
     dense = max(results, key=lambda r: r.num_lower_layers)
-    ok = [r for r in results if r.needle_accuracy >= dense.needle_accuracy
+    ok = [r for r in results if (r.needle_accuracy or 0.0) >= (dense.needle_accuracy or 0.0)
           and (r.multikey_accuracy or 0.0) >= (dense.multikey_accuracy or 0.0)
-          and r.perplexity <= dense.perplexity * (1 + ppl_tolerance)]
+          and (r.perplexity is None or r.perplexity <= dense.perplexity * (1 + ppl_tolerance))]
     return min(ok, key=lambda r: r.num_lower_layers).cut if ok else dense.cut
 
 
-def _fmt(value) -> str:
-    return "-" if value is None else f"{value:.2f}"
+def _fmt(value, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+HEADER = (f"{'weights':>8} {'cut':>6} {'lower':>6} {'needle':>7} {'multi-key':>10} "
+          f"{'cont. ppl':>10} {'code ppl':>9} {'saved':>6}")
+
+
+def _row(r: dict[str, Any]) -> str:
+    return (f"{r.get('model', 'untuned'):>8} {r['cut']:>6} {r['num_lower_layers']:>6} "
+            f"{_fmt(r['needle_accuracy']):>7} {_fmt(r.get('multikey_accuracy')):>10} "
+            f"{_fmt(r['perplexity'], 3):>10} {_fmt(r.get('code_perplexity'), 3):>9} "
+            f"{r['prompt_compute_saved']:>6.0%}")
 
 
 def table(report: dict[str, Any]) -> str:
-    lines = [f"SPEED calibration: {report['model']} ({report['num_layers']} layers)",
-             f"{'weights':>8} {'cut':>6} {'lower':>6} {'needle':>7} {'multi-key':>10} "
-             f"{'code':>6} {'cont. ppl':>10} {'saved':>6}"]
-    for r in report["results"]:
-        lines.append(f"{r.get('model', 'untuned'):>8} {r['cut']:>6} {r['num_lower_layers']:>6} "
-                     f"{r['needle_accuracy']:>7.2f} {_fmt(r.get('multikey_accuracy')):>10} "
-                     f"{_fmt(r.get('code_accuracy')):>6} {r['perplexity']:>10.3f} "
-                     f"{r['prompt_compute_saved']:>6.0%}")
+    lines = [f"SPEED calibration: {report['model']} ({report['num_layers']} layers)", HEADER]
+    lines += [_row(r) for r in report["results"]]
     lines.append(f"recommended cut for the untuned weights: {report['recommended_cut']} (lowest "
                  f"cut keeping the dense needle and multi-key accuracy and perplexity within "
                  f"{report['plan']['ppl_tolerance']:.0%})")
@@ -225,38 +227,38 @@ def table(report: dict[str, Any]) -> str:
 
 
 def write_plot(report: dict[str, Any], path: str) -> None:
-    """Retrieval accuracy and perplexity ratio against the cut; untuned solid, adapted dashed."""
+    """Retrieval accuracy and perplexity / dense against the cut; untuned solid, adapted dashed,
+    the dense model dotted."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = report["results"]
-    dense_ppl = max(rows, key=lambda r: r["num_lower_layers"])["perplexity"]
+    dense = max((r for r in rows if r.get("model", "untuned") == "untuned"),
+                key=lambda r: r["num_lower_layers"])
     fig, (acc, ppl) = plt.subplots(1, 2, figsize=(10, 4))
-    tasks = (("needle_accuracy", "needle", "o", "C0"),
-             ("multikey_accuracy", "multi-key", "d", "C1"),
-             ("code_accuracy", "code next line", "^", "C2"))
-    dense = max(rows, key=lambda r: r["num_lower_layers"])
-    for key, _, _, color in tasks:
-        if dense.get(key) is not None:
-            acc.axhline(dense[key], color=color, lw=0.8, ls=":")
+    panels = ((acc, "needle_accuracy", "needle", "o", "C0"),
+              (acc, "multikey_accuracy", "multi-key", "d", "C1"),
+              (ppl, "perplexity", "essay continuation", "s", "C3"),
+              (ppl, "code_perplexity", "code continuation", "^", "C2"))
     for label, style in (("untuned", "-"), ("adapted", "--")):
         mine = sorted((r for r in rows if r.get("model", "untuned") == label),
                       key=lambda r: r["num_lower_layers"])
-        if not mine:
-            continue
         cuts = [r["num_lower_layers"] / report["num_layers"] for r in mine]
-        for key, name, marker, color in tasks:
-            if all(r.get(key) is not None for r in mine):
-                acc.plot(cuts, [r[key] for r in mine], marker + style, color=color,
-                         label=f"{name}, {label}")
-        ppl.plot(cuts, [r["perplexity"] / dense_ppl for r in mine], "s" + style, color="C3",
-                 label=label)
+        for ax, key, name, marker, color in panels:
+            if not mine or dense.get(key) is None or any(r.get(key) is None for r in mine):
+                continue
+            scale = dense[key] if ax is ppl else 1.0
+            ax.plot(cuts, [r[key] / scale for r in mine], marker + style, color=color,
+                    label=f"{name}, {label}")
+    for ax, key, _, _, color in panels:
+        if ax is acc and dense.get(key) is not None:
+            ax.axhline(dense[key], color=color, lw=0.8, ls=":")
+    ppl.axhline(1.0, color="gray", lw=0.8, ls=":")
     acc.set_ylim(0, 1.05)
-    acc.set_ylabel("accuracy (dotted: dense)")
-    ppl.axhline(1.0, color="gray", lw=0.8)
-    ppl.set_ylabel("continuation perplexity / dense")
+    acc.set_ylabel("retrieval accuracy (dotted: dense)")
+    ppl.set_ylabel("perplexity / dense")
     for ax in (acc, ppl):
         ax.set_xlabel("fraction of layers that see prompt tokens (cut)")
         ax.legend(fontsize=8)

@@ -60,7 +60,9 @@ def test_student_is_the_oracle(tiny_llama, tiny_qwen2, arch):
     dense = model(torch.tensor([prompt + cont])).logits[0, len(prompt) - 1:-1]
     assert torch.allclose(model.lm_head(features.teacher_hidden), dense, atol=1e-4)
     with torch.no_grad():
-        assert float(distillation_loss(model, features, num_lower)) > 0
+        kl = float(distillation_loss(model, features, num_lower))
+        assert kl > 0
+        assert float(distillation_loss(model, features, num_lower, hidden_weight=1.0)) > kl
 
 
 def test_adapters_start_neutral_and_merge_exactly(tiny_llama):

@@ -46,7 +46,13 @@ def test_adapted_models_are_evaluated_at_their_own_cut(tiny_llama, tmp_path):
     import pytest
 
     from vllm_accel.quality.prompts import load_tokenizer
-    from vllm_accel.speed.calibrate import CalibrationPlan, build_code_cases, calibrate, table
+    from vllm_accel.speed.calibrate import (
+        CalibrationPlan,
+        build_code_documents,
+        calibrate,
+        table,
+        write_plot,
+    )
     from vllm_accel.speed.config import ADAPTED_CONFIG_KEY
 
     adapted = tmp_path / "adapted"
@@ -56,15 +62,26 @@ def test_adapted_models_are_evaluated_at_their_own_cut(tiny_llama, tmp_path):
     (adapted / "config.json").write_text(json.dumps(config))
     plan = CalibrationPlan(cuts=(1.0, 0.5), needle_length=256, needles_per_depth=1,
                            multikey_length=256, multikey_samples=1, ppl_prompt_tokens=64,
-                           ppl_continuation_tokens=8, code_samples=2, code_prompt_tokens=64)
-    code = build_code_cases(load_tokenizer(tiny_llama), plan)
-    assert len(code) == 2 and all(len(c.prompt_ids) == 64 and c.answer for c in code)
+                           ppl_continuation_tokens=8, code_samples=2, code_prompt_tokens=64,
+                           code_continuation_tokens=8)
+    code = build_code_documents(load_tokenizer(tiny_llama), plan)
+    assert [(len(p), len(c)) for p, c in code] == [(64, 8), (64, 8)]
     report = calibrate(tiny_llama, plan, adapted=(str(adapted),), log=lambda *_: None)
     rows = [(r["model"], r["cut"], r["num_lower_layers"]) for r in report["results"]]
     assert rows == [("untuned", 1.0, 4), ("untuned", 0.5, 2), ("adapted", 0.5, 2)]
     untuned, same = report["results"][1], report["results"][2]
     # Identical weights here, so the adapted row must reproduce the untuned one exactly.
     assert same["perplexity"] == untuned["perplexity"] and same["answers"] == untuned["answers"]
+    assert same["code_perplexity"] == untuned["code_perplexity"] > 1
     assert "adapted" in table(report)
+    write_plot(report, str(tmp_path / "plot.png"))
+    assert (tmp_path / "plot.png").stat().st_size > 0
+    skip = calibrate(tiny_llama, CalibrationPlan(cuts=(0.5,), needles_per_depth=0,
+                                                 multikey_samples=0, ppl_documents=0,
+                                                 code_samples=1, code_prompt_tokens=64,
+                                                 code_continuation_tokens=8),
+                     log=lambda *_: None)["results"][0]
+    assert skip["needle_accuracy"] is None and skip["perplexity"] is None
+    assert skip["code_perplexity"] > 1
     with pytest.raises(ValueError, match="not a SPEED-adapted model"):
         calibrate(tiny_llama, plan, adapted=(tiny_llama,), log=lambda *_: None)
