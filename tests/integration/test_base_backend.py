@@ -28,8 +28,11 @@ def test_tiny_model_runs_through_accel_base(generate, tiny_llama):
 def test_default_model_greedy_identical_and_correct(generate, default_model):
     tok = load_tokenizer(default_model)
     prompts = [chat_ids(tok, q) for q in QUESTIONS]
-    base, _ = generate("baseline", default_model, prompts, 40)
-    accel, log = generate("accel", default_model, prompts, 40, attention_backend="ACCEL_BASE")
+    # float32: vLLM 0.32's own bf16 CPU path answers wrongly on some CPUs (Intel AMX; see
+    # docs/compatibility.md), and this test is about the plugin, not that.
+    base, _ = generate("baseline", default_model, prompts, 40, dtype="float32")
+    accel, log = generate("accel", default_model, prompts, 40, attention_backend="ACCEL_BASE",
+                          dtype="float32")
     assert "Using ACCEL_BASE backend on CPU" in log
     assert [o["token_ids"] for o in accel] == [o["token_ids"] for o in base]
     assert "Paris" in accel[0]["text"]
