@@ -41,16 +41,21 @@ class GreedyResult:
     logits: list[torch.Tensor] = field(default_factory=list)
 
 
-def check_model(model) -> None:
-    """Refuse models this oracle does not implement (other architectures, sliding windows)."""
-    config = model.config
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"SPEED reference supports model types {SUPPORTED_MODEL_TYPES}, "
-                         f"got {config.model_type!r}")
-    layer_types = getattr(config, "layer_types", None) or ()
+def check_config(model_type: str | None, layer_types) -> None:
+    """Refuse model configs this oracle does not implement (other architectures, sliding
+    windows); ``layer_types`` is the config's list (or None)."""
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model type {model_type!r} is not supported by SPEED (supported "
+                         f"model types: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    layer_types = layer_types or ()
     if any(kind != "full_attention" for kind in layer_types):
-        raise ValueError("SPEED reference supports full-attention layers only; this model has "
+        raise ValueError("SPEED supports full-attention layers only; this model has "
                          f"layer types {sorted(set(layer_types))}")
+
+
+def check_model(model) -> None:
+    """:func:`check_config` of an HF model."""
+    check_config(model.config.model_type, getattr(model.config, "layer_types", None))
 
 
 def num_lower_layers(model, cut: int | float) -> int:

@@ -67,16 +67,14 @@ def _weights_bytes(model_dir: Path) -> int:
 
 def check(job: AdaptJob) -> int:
     """Validate ``job``; returns the number of lower layers. Raises :class:`AdaptError`."""
-    from vllm_accel.speed.reference import SUPPORTED_MODEL_TYPES
+    from vllm_accel.speed.reference import check_config
 
     model_dir = Path(job.model)
     config = _model_config(model_dir)
-    if config.get("model_type") not in SUPPORTED_MODEL_TYPES:
-        raise AdaptError(f"--model {model_dir}: architecture {config.get('model_type')!r} is "
-                         f"not supported by SPEED (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
-    layer_types = config.get("layer_types") or ()
-    if any(kind != "full_attention" for kind in layer_types):
-        raise AdaptError(f"--model {model_dir}: SPEED needs full attention in every layer")
+    try:
+        check_config(config.get("model_type"), config.get("layer_types"))
+    except ValueError as exc:
+        raise AdaptError(f"--model {model_dir}: {exc}") from None
     speed = SpeedConfig(cut=job.cut, anchor_tokens=job.anchor_tokens)
     problems = speed.validate()
     if problems:
