@@ -25,7 +25,8 @@ def generate(tmp_path):
         settings = engine_settings(model_dir, 2048, 0.2, engine)
         task = {"kind": "generate", "name": "out", "prompts": prompts, "max_tokens": max_tokens,
                 "sequential": sequential}
-        result = run_side(label, settings, [task], timeout_s=900, log_dir=tmp_path)
+        result = run_side(label, settings, [task], timeout_s=900, log_dir=tmp_path,
+                          deterministic_batches=not sequential)
         return result["tasks"]["out"], Path(tmp_path, f"{label}.log").read_text()
 
     return run

@@ -93,7 +93,8 @@ def test_residual_pool_survives_preemption_and_prefix_caching(tiny_llama, tmp_pa
             "additional_config": {"vllm_accel": {"kv_quant": {"residual": residual}}}})
         task = {"kind": "generate", "name": "out", "prompts": prompts, "max_tokens": 60,
                 "ignore_eos": True}
-        result = run_side(residual, engine, [task], timeout_s=900, log_dir=tmp_path)
+        result = run_side(residual, engine, [task], timeout_s=900, log_dir=tmp_path,
+                          deterministic_batches=True)
         events = result["events"]["out"]
         assert events["preemptions"] > 0 and events["prefix_cache_hit_tokens"] > 0, events
         outs[residual] = [o["token_ids"] for o in result["tasks"]["out"]]

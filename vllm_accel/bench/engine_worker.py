@@ -178,7 +178,8 @@ def _throughput(engine, prompts, max_tokens) -> dict[str, Any]:
 def _generate(engine, prompts, max_tokens, sequential: bool,
               ignore_eos: bool = False) -> list[dict[str, Any]]:
     """Greedy generation. ``sequential`` runs each prompt alone: a batch's composition depends
-    on arrival timing and changes bf16 rounding, so token-identity checks run one at a time.
+    on arrival timing and changes bf16 rounding, so token-identity checks run one at a time or
+    with the engine core in this process (``run_side(deterministic_batches=True)``).
     ``ignore_eos``: always ``max_tokens`` tokens (comparisons against an oracle)."""
     from vllm import SamplingParams
 

@@ -24,13 +24,20 @@ class BenchError(RuntimeError):
 
 
 def run_side(label: str, engine: dict[str, Any], tasks: list[dict[str, Any]],
-             timeout_s: float, log_dir: Path, stats_file: str | None = None) -> dict[str, Any]:
+             timeout_s: float, log_dir: Path, stats_file: str | None = None,
+             deterministic_batches: bool = False) -> dict[str, Any]:
     """Run one engine configuration in a fresh process; return the worker's JSON result.
 
     ``stats_file``: the file the engine's backend appends per-step statistics to (see
-    ``engine_worker``); latency records then carry the lines of their request."""
+    ``engine_worker``); latency records then carry the lines of their request.
+    ``deterministic_batches``: run vLLM's engine core inside the worker process, so every
+    request of a batch is queued before the first step. With the engine core in its own process
+    (vLLM's default) it may step before the last request arrives, and the batch shapes, hence
+    bf16 rounding and greedy tokens, then depend on timing. Token-identity checks of batched
+    runs need this; timing runs keep vLLM's default."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    spec = {"engine": engine, "tasks": tasks, "env": {}}
+    worker_env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if deterministic_batches else {}
+    spec = {"engine": engine, "tasks": tasks, "env": worker_env}
     if stats_file:
         spec["stats_file"] = stats_file
     env = engine_env()
