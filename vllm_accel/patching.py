@@ -13,11 +13,18 @@ written against, and the upstream diff in ``patches/`` that would make it unnece
   or another plugin already replaced it, we refuse instead of stacking blindly;
 * logged and recorded: each replacement is logged once and listed by :func:`active_patches`
   (``vllm-accel doctor`` shows them).
+
+:func:`apply_when_imported` defers a patch until its target module is imported, for targets that
+only some vLLM processes load (the request front end) and that are too slow to import in every
+process.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.machinery
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -91,14 +98,18 @@ def _defining_module(obj: Any) -> str | None:
     return getattr(func, "__module__", None)
 
 
-def apply(patch: RuntimePatch, vllm_version: str) -> bool:
-    """Apply ``patch``; return True if it was installed now, False if already active."""
+def _check_version(patch: RuntimePatch, vllm_version: str) -> None:
     if vllm_version not in patch.vllm_versions:
         raise PatchError(
             f"runtime patch {patch.name!r} was written for vLLM {', '.join(patch.vllm_versions)}; "
             f"found vLLM {vllm_version}. Install the vLLM this vllm_accel release supports "
             f"or upgrade vllm_accel."
         )
+
+
+def apply(patch: RuntimePatch, vllm_version: str) -> bool:
+    """Apply ``patch``; return True if it was installed now, False if already active."""
+    _check_version(patch, vllm_version)
     owner, attribute = patch.resolve()
     current = _raw_attribute(owner, attribute)
     owner_name = getattr(owner, "__qualname__", getattr(owner, "__name__", repr(owner)))
@@ -133,3 +144,48 @@ def apply(patch: RuntimePatch, vllm_version: str) -> bool:
 def active_patches() -> list[ActivePatch]:
     """The runtime patches installed in this process, in the order they were applied."""
     return list(_ACTIVE.values())
+
+
+_DEFERRED: dict[str, tuple[RuntimePatch, str]] = {}
+
+
+class _ApplyAfterImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: for a module with a deferred patch it returns the normal spec with
+    a loader that applies the patch right after the module has executed."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        deferred = _DEFERRED.pop(name, None)
+        if deferred is None:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            logger.error("vllm_accel: runtime patch %r not applied: cannot hook the import of "
+                         "%s", deferred[0].name, name)
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then_patch(module: Any) -> None:
+            exec_module(module)
+            try:
+                apply(*deferred)
+            except PatchError as exc:  # a failed import would break vLLM, not just this patch
+                logger.error("vllm_accel: %s", exc)
+
+        spec.loader.exec_module = exec_then_patch  # type: ignore[method-assign]
+        return spec
+
+
+_FINDER = _ApplyAfterImport()
+
+
+def apply_when_imported(patch: RuntimePatch, vllm_version: str) -> None:
+    """Apply ``patch`` now if its target module is loaded, else right after its first import
+    in this process (a conflict found then is logged, not raised). Version-gated now."""
+    _check_version(patch, vllm_version)
+    module_name = patch.target.partition(":")[0]
+    if module_name in sys.modules:
+        apply(patch, vllm_version)
+        return
+    _DEFERRED[module_name] = (patch, vllm_version)
+    if _FINDER not in sys.meta_path:
+        sys.meta_path.insert(0, _FINDER)

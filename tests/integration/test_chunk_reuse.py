@@ -128,9 +128,10 @@ def test_chunked_prefill_with_prefix_caching(run, prompts):
 @pytest.mark.real_model
 def test_serve_reuses_documents_marked_in_prompt_text(default_model, tmp_path):
     """OpenAI completions with documents separated by the special token in plain text; the
-    counters appear in vLLM's Prometheus /metrics; malformed kv_transfer_params are counted and
-    the request is served without reuse."""
+    counters appear in vLLM's Prometheus /metrics; malformed kv_transfer_params get a 400
+    naming the parameter before they reach the engine, and the server keeps serving."""
     import json
+    import urllib.error
     import urllib.request
 
     from tests.integration.test_serve import _post, served
@@ -141,17 +142,23 @@ def test_serve_reuses_documents_marked_in_prompt_text(default_model, tmp_path):
     args = ["--dtype", "float32", "--served-model-name", "m", "--kv-transfer-config",
             json.dumps(config)]
     with served(default_model, args, tmp_path / "serve.log") as url:
-        texts = []
-        for order in ([0, 1, 2], [2, 0, 1]):
+        def ask(order: list[int]) -> str:
             prompt = ("Documents:" + "".join("<file_sep>" + docs[i] for i in order)
                       + "<file_sep>Question: which document is about Apple?")
             out = _post(f"{url}/v1/completions", {"model": "m", "prompt": prompt,
                                                   "max_tokens": 4, "temperature": 0})
-            texts.append(out["choices"][0]["text"])
-        bad = _post(f"{url}/v1/completions", {"model": "m", "prompt": "a<file_sep>b<file_sep>c",
-                                              "max_tokens": 2,
-                                              "kv_transfer_params": {"chunk_spans": [[3, 1]]}})
-        assert bad["choices"][0]["finish_reason"] in ("length", "stop")  # served
+            return out["choices"][0]
+
+        texts = [ask(order)["text"] for order in ([0, 1, 2], [2, 0, 1])]
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            _post(f"{url}/v1/completions", {"model": "m", "prompt": "a<file_sep>b<file_sep>c",
+                                            "max_tokens": 2,
+                                            "kv_transfer_params": {"chunk_spans": [[3, 1]]}})
+        assert refused.value.code == 400
+        error = json.loads(refused.value.read())["error"]
+        assert error["param"] == "kv_transfer_params", error
+        assert "chunk_spans: [3, 1] must be non-empty" in error["message"], error
+        assert ask([1, 2, 0])["finish_reason"] in ("length", "stop")  # still serving
         time.sleep(1)
         metrics = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
 
@@ -161,8 +168,8 @@ def test_serve_reuses_documents_marked_in_prompt_text(default_model, tmp_path):
         assert found, f"vllm:chunk_reuse_{name}_total missing from /metrics"
         return float(found.group(1))
 
-    assert metric("reused_requests") == 1
+    assert metric("reused_requests") == 2
     assert metric("hit_tokens") >= 128
     assert metric("saved_chunks") >= 3
-    assert metric("markup_errors") == 1
+    assert metric("markup_errors") == 0  # refused in the front end
     assert all(texts)

@@ -7,7 +7,7 @@ place where vLLM 0.32 has no extension point.
 
 from __future__ import annotations
 
-from vllm_accel.patching import RuntimePatch, apply
+from vllm_accel.patching import RuntimePatch, apply, apply_when_imported
 
 
 def plugin_patches(platform_is_cpu: bool) -> list[RuntimePatch]:
@@ -25,6 +25,15 @@ def plugin_patches(platform_is_cpu: bool) -> list[RuntimePatch]:
     # --kv-cache-dtype kivi_* (vllm_accel.kv_quant): the names, then their backend selection.
     patches += [*kv_cache_dtype_names.PATCHES, kv_cache_dtype_backend.PATCH]
     return patches
+
+
+def frontend_patches() -> list[RuntimePatch]:
+    """Patches of the request front end (API server, ``LLM``), applied by the plugin when
+    ``vllm.v1.engine.input_processor`` is imported: other processes never load it, and importing
+    it costs seconds."""
+    from vllm_accel._patches import kv_transfer_params_validation
+
+    return [kv_transfer_params_validation.PATCH]
 
 
 def on_demand_patches() -> list[RuntimePatch]:
@@ -55,9 +64,12 @@ def all_patches() -> list[RuntimePatch]:
     """Every runtime patch shipped, including those applied only by the ``vllm-accel`` CLI."""
     from vllm_accel._patches import cli_version_lookup
 
-    return [*plugin_patches(platform_is_cpu=True), cli_version_lookup.PATCH, *on_demand_patches()]
+    return [*plugin_patches(platform_is_cpu=True), *frontend_patches(), cli_version_lookup.PATCH,
+            *on_demand_patches()]
 
 
 def apply_plugin_patches(vllm_version: str, platform_is_cpu: bool) -> None:
     for patch in plugin_patches(platform_is_cpu):
         apply(patch, vllm_version)
+    for patch in frontend_patches():
+        apply_when_imported(patch, vllm_version)

@@ -167,6 +167,16 @@ class ChunkReuseConnector(KVConnectorBase_V1, SupportsHMA):
         logger.info("%s (%s): stores %s, recompute=%s, fingerprint %s", NAME, role.name,
                     list(self.config.stores), self.config.recompute, self.fingerprint[:12])
 
+    @classmethod
+    def validate_kv_transfer_params(cls, vllm_config: VllmConfig,
+                                    prompt_token_ids: list[int] | None,
+                                    kv_transfer_params: Any) -> None:
+        """Request front end (``kv_transfer_params_validation`` patch): malformed chunk params
+        are the client's fault, refused with a 400 before the request is scheduled. Raises
+        :class:`~.chunking.ChunkMarkupError` (a ``ValueError``)."""
+        if kv_transfer_params is not None:
+            find_chunks(prompt_token_ids or [], None, kv_transfer_params)
+
     # ------------------------------------------------------------------ scheduler side
 
     def _state(self, request: Request) -> _RequestState | None:

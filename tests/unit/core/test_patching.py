@@ -74,3 +74,42 @@ def test_refuses_to_stack_on_a_foreign_patch(target_module):
     target_module.Platform.select = classmethod(foreign)
     with pytest.raises(PatchError, match="other_plugin.patches"):
         apply(_patch(), "1.0")
+
+
+@pytest.fixture
+def deferred_module(tmp_path, monkeypatch):
+    """A module file not imported yet, and a patch of it; the helper's state restored after."""
+    (tmp_path / "fake_deferred_target.py").write_text(
+        "class Thing:\n    def run(self):\n        return 'original'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(patching, "_ACTIVE", {})
+    monkeypatch.setattr(patching, "_DEFERRED", {})
+    yield RuntimePatch(name="wrap_run", target="fake_deferred_target:Thing.run",
+                       vllm_versions=("1.0",), upstream_diff="0000-x.patch", reason="test",
+                       make_replacement=lambda original: lambda self: "patched:" + original(self))
+    sys.modules.pop("fake_deferred_target", None)
+    if patching._FINDER in sys.meta_path:
+        sys.meta_path.remove(patching._FINDER)
+
+
+def test_apply_when_imported_waits_for_the_module(deferred_module):
+    patching.apply_when_imported(deferred_module, "1.0")
+    assert "fake_deferred_target" not in sys.modules  # nothing imported on its behalf
+    assert patching.active_patches() == []
+    import fake_deferred_target
+
+    assert fake_deferred_target.Thing().run() == "patched:original"
+    assert [p.name for p in patching.active_patches()] == ["wrap_run"]
+
+
+def test_apply_when_imported_applies_at_once_to_a_loaded_module(deferred_module):
+    import fake_deferred_target
+
+    patching.apply_when_imported(deferred_module, "1.0")
+    assert fake_deferred_target.Thing().run() == "patched:original"
+
+
+def test_apply_when_imported_checks_the_version_first(deferred_module):
+    with pytest.raises(PatchError, match="found vLLM 2.0"):
+        patching.apply_when_imported(deferred_module, "2.0")
+    assert patching._DEFERRED == {}
