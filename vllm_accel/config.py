@@ -18,6 +18,7 @@ Unknown sections or keys fail the same way (a typo must not silently fall back t
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import os
 import types
@@ -28,6 +29,15 @@ T = TypeVar("T")
 
 ROOT = "vllm_accel"
 _SECTIONS: dict[str, type] = {}
+# The module that declares each section. Imported before a section name is judged unknown: a
+# process that has loaded one feature only (e.g. a proposer in the worker) must still accept
+# the sections of the other features configured in the same engine.
+SECTION_MODULES = {
+    "kv_quant": "vllm_accel.kv_quant.config",
+    "sparse_prefill": "vllm_accel.attention.sparse_prefill.config",
+    "spec_decode": "vllm_accel.spec_decode.knobs",
+    "speed": "vllm_accel.speed.config",
+}
 
 
 class AccelConfigError(ValueError):
@@ -47,6 +57,9 @@ def register_section(name: str):
 
 
 def sections() -> dict[str, type]:
+    """Every declared section (all of :data:`SECTION_MODULES`, plus any registered since)."""
+    for module in SECTION_MODULES.values():
+        importlib.import_module(module)
     return dict(_SECTIONS)
 
 
@@ -97,11 +110,12 @@ def load_section(name: str, additional_config: dict[str, Any] | None,
     root = (additional_config or {}).get(ROOT, {}) or {}
     if not isinstance(root, dict):
         raise AccelConfigError(f"--additional-config {ROOT} must be a JSON object")
-    unknown_sections = set(root) - set(_SECTIONS)
+    known = sections() if set(root) - set(_SECTIONS) else _SECTIONS
+    unknown_sections = set(root) - set(known)
     if unknown_sections:
         raise AccelConfigError(
             f"--additional-config {ROOT}: unknown section(s) {sorted(unknown_sections)}; "
-            f"known: {sorted(_SECTIONS)}")
+            f"known: {sorted(known)}")
     raw = dict(root.get(name, {}) or {})
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = set(raw) - set(fields)

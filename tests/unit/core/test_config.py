@@ -56,3 +56,25 @@ def test_unknown_section_is_an_error():
     with pytest.raises(AccelConfigError, match=r"unknown section\(s\) \['nope'\]"):
         load_section("demo_feature", {"vllm_accel": {"nope": {}}}, environ={})
     assert "demo_feature" in config.sections()
+
+
+def test_every_section_module_declares_its_section():
+    known = config.sections()
+    assert set(config.SECTION_MODULES) <= set(known)
+    for name, module in config.SECTION_MODULES.items():
+        assert known[name].__module__ == module
+
+
+def test_a_process_that_loaded_one_feature_accepts_the_others_sections():
+    """A proposer's worker imports only the spec_decode knobs; the engine's additional config
+    also carries sparse_prefill (ACCEL_SPARSE_PREFILL + a proposer)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from vllm_accel.config import load_section; "
+            "import vllm_accel.kv_quant.config; "
+            "assert 'vllm_accel.attention.sparse_prefill.config' not in sys.modules; "
+            "load_section('kv_quant', {'vllm_accel': {'kv_quant': {}, "
+            "'sparse_prefill': {'threshold': 256}}}, environ={}); print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.strip().endswith("ok"), out.stderr[-2000:]
