@@ -15,7 +15,9 @@ through it, on every platform) and, for a dtype listed in
 * another explicit backend -> error naming both flags.
 
 A ``kivi_*`` backend named explicitly with another dtype is an error too. Every other selection
-is passed to vLLM unchanged. Upstream twin:
+is passed to vLLM unchanged. Every engine's layers pass through here before weights load, so it
+is also where the composition matrix refuses feature combinations that cannot run together
+(:func:`vllm_accel.composition.check_composition`, on the config being built). Upstream twin:
 ``patches/0006-selector-kv-cache-dtype-backend.patch`` (a ``register_kv_cache_dtype_backend()``
 table consulted by ``get_attn_backend``).
 """
@@ -67,6 +69,13 @@ def _make_replacement(original: Any) -> Any:
     @functools.cache
     def _cached_get_attn_backend(backend, attn_selector_config, num_heads=None, *,
                                  _run_kv_cache_dtype=None):
+        from vllm.config import get_current_vllm_config_or_none
+
+        from vllm_accel.composition import check_composition
+
+        vllm_config = get_current_vllm_config_or_none()
+        if vllm_config is not None:
+            check_composition(vllm_config)
         kv_dtype = attn_selector_config.kv_cache_dtype
         chosen = resolve_backend_for_kv_dtype(backend, kv_dtype)
         if kv_dtype in KV_CACHE_DTYPE_BACKENDS:

@@ -13,7 +13,8 @@ Task kinds (``spec["tasks"]``, run in order after one warm-up request):
 * ``throughput``  — all prompts submitted at once: output tokens/s, total wall time.
 * ``generate``    — greedy; all prompts at once, or one at a time with ``"sequential": true``
                     (identity checks); returns token ids, text and prompt tokens served from
-                    the prefix cache.
+                    the prefix cache; with ``"logprobs": k`` also each output position's top-k
+                    ``{token id: log-probability}`` (how close a tie was).
 * ``prompt_predictions`` — per prompt ``{"logprobs": [...], "top1": [...]}``: the log-probability
                     of each prompt token (perplexity) and the engine's most likely token at
                     that position (agreement with another configuration's predictions).
@@ -101,6 +102,9 @@ def _run(engine, prompts: list[list[int]], params) -> tuple[dict[str, dict[str, 
                 rec["token_ids"] = list(completion.token_ids)
                 rec["text"] = completion.text
                 rec["num_cached_tokens"] = getattr(out, "num_cached_tokens", None)
+                if completion.logprobs is not None:
+                    rec["logprobs"] = [{str(tok): lp.logprob for tok, lp in entry.items()}
+                                       for entry in completion.logprobs]
                 if out.prompt_logprobs is not None:
                     rec["prompt_logprobs"] = [
                         None if entry is None else entry[tok].logprob
@@ -175,23 +179,23 @@ def _throughput(engine, prompts, max_tokens) -> dict[str, Any]:
             "output_tok_per_s": out_tokens / wall, "peak_kv_usage": _PEAK["kv_usage"]}
 
 
-def _generate(engine, prompts, max_tokens, sequential: bool,
-              ignore_eos: bool = False) -> list[dict[str, Any]]:
+def _generate(engine, prompts, max_tokens, sequential: bool, ignore_eos: bool = False,
+              logprobs: int | None = None) -> list[dict[str, Any]]:
     """Greedy generation. ``sequential`` runs each prompt alone: a batch's composition depends
     on arrival timing and changes bf16 rounding, so token-identity checks run one at a time or
     with the engine core in this process (``run_side(deterministic_batches=True)``).
     ``ignore_eos``: always ``max_tokens`` tokens (comparisons against an oracle)."""
     from vllm import SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos,
+                            logprobs=logprobs)
     batches = [[p] for p in prompts] if sequential else [prompts]
     outputs = []
     for batch in batches:
         records, _ = _run(engine, batch, params)
-        outputs += [{"token_ids": records[f"req-{i}"]["token_ids"],
-                     "text": records[f"req-{i}"]["text"],
-                     "num_cached_tokens": records[f"req-{i}"]["num_cached_tokens"]}
-                    for i in range(len(batch))]
+        outputs += [{key: records[f"req-{i}"][key] for key in
+                     ("token_ids", "text", "num_cached_tokens", "logprobs")
+                     if key in records[f"req-{i}"]} for i in range(len(batch))]
     return outputs
 
 
@@ -255,7 +259,8 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
             out = _throughput(engine, task["prompts"], task["max_tokens"])
         elif kind == "generate":
             out = _generate(engine, task["prompts"], task["max_tokens"],
-                            task.get("sequential", False), task.get("ignore_eos", False))
+                            task.get("sequential", False), task.get("ignore_eos", False),
+                            task.get("logprobs"))
         elif kind == "prompt_predictions":
             out = _prompt_predictions(engine, task["prompts"])
         else:
