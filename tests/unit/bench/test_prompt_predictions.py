@@ -30,7 +30,7 @@ class _FakeEngine:
             entries = self.per_prompt[int(rid.split("-")[1])]
             outs.append(SimpleNamespace(
                 request_id=rid, finished=True, num_cached_tokens=0, prompt_logprobs=entries,
-                outputs=[SimpleNamespace(token_ids=[0], text="x")]))
+                outputs=[SimpleNamespace(token_ids=[0], text="x", logprobs=None)]))
         self.pending = []
         return outs
 
