@@ -4,7 +4,8 @@
 :data:`MATRIX` gives every pair a verdict: ``tested`` (an end-to-end test checks the output of
 the pair against the single features' output; the test is named) or ``refused`` (start-up
 error; the reason). :func:`check_composition` raises :class:`~vllm_accel.config.AccelConfigError`
-for a refused pair, naming both flags and why; it runs where every engine selects its attention
+for a refused pair, naming both flags and why, and for a feature that does not run under tensor
+parallelism yet (:data:`TENSOR_PARALLEL`); it runs where every engine selects its attention
 backend (the ``kv_cache_dtype_backend`` patch), before weights load. :func:`markdown_table`
 renders the README's table (a unit test keeps the README in step with this file).
 
@@ -36,6 +37,7 @@ FEATURES: dict[str, Feature] = {
 }
 
 COMPOSITION_TESTS = "tests/integration/test_composition.py"
+TENSOR_PARALLEL_TESTS = "tests/integration/test_tensor_parallel.py"
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,7 @@ MATRIX: dict[frozenset[str], Verdict] = {
         "layers; not implemented together yet"),
     frozenset(("sparse", "kivi")): Verdict("refused", _KIVI_PAGES),
     frozenset(("sparse", "reuse")): _tested("test_sparse_prefill_with_chunk_reuse"),
-    frozenset(("sparse", "proposer")): _tested("test_sparse_prefill_with_proposer"),
+    frozenset(("sparse", "proposer")): _tested("test_sparse_prefill_chunk_reuse_and_proposer"),
     frozenset(("kivi", "reuse")): Verdict(
         "refused", "the connector stores and writes unquantized KV"),
     frozenset(("kivi", "proposer")): _tested("test_kivi_with_proposer"),
@@ -69,6 +71,17 @@ MATRIX: dict[frozenset[str], Verdict] = {
 }
 FULL_SET = frozenset(("sparse", "reuse", "proposer"))
 FULL_SET_TEST = _tested("test_sparse_prefill_chunk_reuse_and_proposer")
+# Each feature under vLLM's tensor parallelism (--tensor-parallel-size 2 on the CPU).
+TENSOR_PARALLEL: dict[str, Verdict] = {
+    "speed": _tested("test_speed_matches_one_worker", TENSOR_PARALLEL_TESTS),
+    "sparse": _tested("test_sparse_prefill_and_proposer_match_one_worker", TENSOR_PARALLEL_TESTS),
+    "kivi": Verdict("refused", "not verified with several workers yet (each worker's share of "
+                    "the residual pool is untested)"),
+    "reuse": Verdict("refused", "chunk KV is stored per worker, and workers would save and load "
+                     "different head shards under one key"),
+    "proposer": _tested("test_sparse_prefill_and_proposer_match_one_worker",
+                        TENSOR_PARALLEL_TESTS),
+}
 
 
 def features_of(vllm_config: Any) -> set[str]:
@@ -103,15 +116,34 @@ def refusal(features: set[str]) -> str | None:
     return None
 
 
+def tensor_parallel_refusal(features: set[str], tensor_parallel_size: int) -> str | None:
+    """The start-up error for features that do not run with several workers yet, or None."""
+    if tensor_parallel_size <= 1:
+        return None
+    for name in (f for f in FEATURES if f in features):
+        verdict = TENSOR_PARALLEL[name]
+        if verdict.status == "refused":
+            feature = FEATURES[name]
+            return (f"vllm_accel: {feature.flag} ({feature.name}) does not run with "
+                    f"--tensor-parallel-size {tensor_parallel_size} yet: {verdict.detail}. "
+                    f"Use --tensor-parallel-size 1.")
+    return None
+
+
 def check_composition(vllm_config: Any) -> None:
-    """Raise :class:`AccelConfigError` when the engine combines features that are refused."""
-    message = refusal(features_of(vllm_config))
+    """Raise :class:`AccelConfigError` when the engine combines features that are refused, or
+    runs a feature under tensor parallelism that does not support it yet."""
+    features = features_of(vllm_config)
+    tensor_parallel_size = getattr(getattr(vllm_config, "parallel_config", None),
+                                   "tensor_parallel_size", 1)
+    message = refusal(features) or tensor_parallel_refusal(features, tensor_parallel_size)
     if message:
         raise AccelConfigError(message)
 
 
 def markdown_table() -> str:
-    """The composition matrix as a Markdown table (README)."""
+    """The composition matrix as a Markdown table (README), with a last row for
+    ``--tensor-parallel-size 2``."""
     names = list(FEATURES)
     cell = {"tested": "tested", "refused": "refused at start-up", "exclusive": "one flag"}
     rows = ["| | " + " | ".join(FEATURES[n].name for n in names) + " |",
@@ -119,4 +151,6 @@ def markdown_table() -> str:
     for a in names:
         cells = ["—" if a == b else cell[MATRIX[frozenset((a, b))].status] for b in names]
         rows.append(f"| {FEATURES[a].name} | " + " | ".join(cells) + " |")
+    rows.append("| *--tensor-parallel-size 2* | "
+                + " | ".join(cell[TENSOR_PARALLEL[n].status] for n in names) + " |")
     return "\n".join(rows)

@@ -97,13 +97,6 @@ def test_sparse_prefill_with_chunk_reuse(run):
     assert both[1] == dense[1]  # reused: claimed tokens recomputed densely, question after
 
 
-def test_sparse_prefill_with_proposer(run):
-    sparse, _, _ = run("sparse", SPARSE)
-    both, result, _ = run("sparse+proposer", SPARSE, PROPOSER)
-    assert both == sparse
-    assert _accepted(result) > 0
-
-
 # bf16 logits between 16 and 32 are 0.125 apart: a near-tie is within three such steps.
 BF16_NEAR_TIE = 3 * 0.125
 
@@ -144,10 +137,14 @@ def test_chunk_reuse_with_proposer(run):
 
 
 def test_sparse_prefill_chunk_reuse_and_proposer(run):
+    """Also the sparse prefill + proposer pair: the first prompt (nothing to reuse yet) must
+    be sparse prefill's own tokens."""
+    sparse, _, _ = run("sparse", SPARSE)
     pair, _, _ = run("sparse+reuse", SPARSE, REUSE)
     full, result, log = run("sparse+reuse+proposer", SPARSE, REUSE, PROPOSER)
     assert _reused_requests(log) == 1
     assert full == pair
+    assert full[0] == sparse[0]
     assert _accepted(result) > 0
 
 

@@ -40,7 +40,7 @@ def run_side(label: str, engine: dict[str, Any], tasks: list[dict[str, Any]],
     spec = {"engine": engine, "tasks": tasks, "env": worker_env}
     if stats_file:
         spec["stats_file"] = stats_file
-    env = engine_env()
+    env = engine_env(ranks=int(engine.get("tensor_parallel_size", 1)))
     with tempfile.TemporaryDirectory() as tmp:
         spec_path, out_path = Path(tmp, "spec.json"), Path(tmp, "out.json")
         spec_path.write_text(json.dumps(spec))

@@ -29,7 +29,8 @@ def test_every_pair_has_a_verdict():
 
 
 def test_every_tested_verdict_names_an_existing_test():
-    verdicts = [*MATRIX.values(), composition.FULL_SET_TEST]
+    verdicts = [*MATRIX.values(), composition.FULL_SET_TEST,
+                *composition.TENSOR_PARALLEL.values()]
     for verdict in (v for v in verdicts if v.status == "tested"):
         path, _, name = verdict.detail.partition("::")
         assert re.search(rf"^def {name}\(", (ROOT / path).read_text(), re.M), verdict.detail
@@ -62,6 +63,16 @@ def test_refused_pairs_fail_naming_both_flags(config, flags):
         check_composition(config)
     assert all(flag in str(refused.value) for flag in flags), str(refused.value)
     assert "Drop one of the two" in str(refused.value)
+
+
+def test_features_not_ready_for_several_workers_refuse_them():
+    config = _config(cache_dtype="kivi_4bit")
+    check_composition(config)  # one worker: fine
+    config.parallel_config = SimpleNamespace(tensor_parallel_size=2)
+    with pytest.raises(AccelConfigError, match=r"KIVI KV cache\) does not run with "
+                                               r"--tensor-parallel-size 2 yet"):
+        check_composition(config)
+    assert set(composition.TENSOR_PARALLEL) == set(FEATURES)
 
 
 def test_allowed_pairs_pass():
