@@ -9,7 +9,7 @@ API server and in ``LLM``/``LLMEngine``, before it reaches the engine core: once
 built, the configured connector class's ``validate_kv_transfer_params(vllm_config,
 prompt_token_ids, kv_transfer_params)`` classmethod (if it has one) checks it, and a
 ``ValueError`` becomes vLLM's ``VLLMValidationError`` naming the parameter (400 Bad Request
-from the OpenAI server, a ``ValueError`` from ``LLM.generate``). Connectors without the
+from the OpenAI server, raised by ``LLM.generate``; checked with both). Connectors without the
 classmethod, and engines without ``--kv-transfer-config``, are not affected.
 
 Applied when ``vllm.v1.engine.input_processor`` is imported (front-end processes; engine-core
