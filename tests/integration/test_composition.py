@@ -13,12 +13,13 @@ prefill. Proposers are lossless: adding one must not change a token. Sparse pref
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.integration.test_chunk_reuse import _counter, _reuse
+from tests.integration.test_spec_decode import sam_engine
 from vllm_accel.bench.harness import BenchError, engine_settings, run_side
 
 pytestmark = pytest.mark.real_model
@@ -27,14 +28,8 @@ MAX_TOKENS = 12
 SPARSE = {"attention_backend": "ACCEL_SPARSE_PREFILL",
           "additional_config": {"vllm_accel": {"sparse_prefill": {"threshold": 256}}}}
 KIVI = {"kv_cache_dtype": "kivi_4bit", "dtype": "bfloat16"}
-REUSE = {"kv_transfer_config": {
-    "kv_connector": "ChunkReuseConnector", "kv_connector_module_path": "vllm_accel.kv_connector",
-    "kv_role": "kv_both", "kv_connector_extra_config": {
-        "min_reuse_tokens": 16, "log_interval_s": 0, "recompute": "cacheblend",
-        "recompute_ratio": 1.0}}}
-PROPOSER = {"speculative_config": {"method": "custom_class",
-                                   "model": "vllm_accel.spec_decode.SAMProposer",
-                                   "num_speculative_tokens": 6}}
+REUSE = _reuse(recompute="cacheblend", recompute_ratio=1.0)
+PROPOSER = sam_engine(6)
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +74,7 @@ def run(prompts, default_model, tmp_path_factory):
 
 
 def _reused_requests(log: str) -> float:
-    values = re.findall(r"chunk reuse \(scheduler\): [^;]*\breused_requests=([0-9.]+)", log)
-    return float(values[-1]) if values else 0.0
+    return _counter(log, "scheduler", "reused_requests")
 
 
 def _accepted(result: dict[str, Any]) -> int:

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from tests.integration.test_spec_decode import sam_engine
 from vllm_accel.bench.harness import engine_settings, run_side
 
 PROMPTS = [[(7 * i + 3 * j) % 500 + 1 for j in range(n)] for i, n in enumerate((40, 300))]
@@ -41,7 +42,6 @@ def test_sparse_prefill_and_proposer_match_one_worker(tokens):
     drafts, in one engine."""
     features = {"attention_backend": "ACCEL_SPARSE_PREFILL",
                 "additional_config": {"vllm_accel": {"sparse_prefill": {"threshold": 64}}},
-                "speculative_config": {"method": "custom_class", "num_speculative_tokens": 4,
-                                       "model": "vllm_accel.spec_decode.SAMProposer"}}
+                **sam_engine(4)}
     assert tokens("sparse+proposer", 2, **features) == tokens("sparse+proposer", 1, **features)
 
