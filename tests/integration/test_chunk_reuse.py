@@ -134,24 +134,25 @@ def test_serve_reuses_documents_marked_in_prompt_text(default_model, tmp_path):
     import urllib.error
     import urllib.request
 
-    from tests.integration.test_serve import _post, served
+    from vllm_accel.bench.server import post_json, served
     from vllm_accel.quality.data import essays_dir
 
     config = _reuse()["kv_transfer_config"]
     docs = [p.read_text()[:900] for p in sorted(Path(essays_dir()).glob("*.txt"))[:3]]
     args = ["--dtype", "float32", "--served-model-name", "m", "--kv-transfer-config",
             json.dumps(config)]
-    with served(default_model, args, tmp_path / "serve.log") as url:
+    with served(default_model, args, tmp_path / "serve.log") as server:
+        url = server.url
         def ask(order: list[int]) -> str:
             prompt = ("Documents:" + "".join("<file_sep>" + docs[i] for i in order)
                       + "<file_sep>Question: which document is about Apple?")
-            out = _post(f"{url}/v1/completions", {"model": "m", "prompt": prompt,
+            out = post_json(f"{url}/v1/completions", {"model": "m", "prompt": prompt,
                                                   "max_tokens": 4, "temperature": 0})
             return out["choices"][0]
 
         texts = [ask(order)["text"] for order in ([0, 1, 2], [2, 0, 1])]
         with pytest.raises(urllib.error.HTTPError) as refused:
-            _post(f"{url}/v1/completions", {"model": "m", "prompt": "a<file_sep>b<file_sep>c",
+            post_json(f"{url}/v1/completions", {"model": "m", "prompt": "a<file_sep>b<file_sep>c",
                                             "max_tokens": 2,
                                             "kv_transfer_params": {"chunk_spans": [[3, 1]]}})
         assert refused.value.code == 400

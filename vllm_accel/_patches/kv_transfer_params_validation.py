@@ -10,7 +10,8 @@ built, the configured connector class's ``validate_kv_transfer_params(vllm_confi
 prompt_token_ids, kv_transfer_params)`` classmethod (if it has one) checks it, and a
 ``ValueError`` becomes vLLM's ``VLLMValidationError`` naming the parameter (400 Bad Request
 from the OpenAI server, raised by ``LLM.generate``; checked with both). Connectors without the
-classmethod, and engines without ``--kv-transfer-config``, are not affected.
+classmethod, and engines without ``--kv-transfer-config``, are not affected. Refusals are
+counted in ``vllm:kv_transfer_params_rejected_total`` (the API server's ``/metrics``).
 
 Applied when ``vllm.v1.engine.input_processor`` is imported (front-end processes; engine-core
 and worker processes never load it). Upstream twin:
@@ -43,6 +44,15 @@ def _validator(kv_config: Any) -> Callable[..., None] | None:
     return _VALIDATORS[key]
 
 
+@functools.cache
+def _rejections() -> Any:
+    import prometheus_client
+
+    return prometheus_client.Counter(
+        "vllm:kv_transfer_params_rejected",
+        "Requests refused before scheduling for malformed kv_transfer_params (HTTP 400)")
+
+
 def validate_request(vllm_config: Any, request: Any) -> None:
     """Raise ``VLLMValidationError`` when the configured connector refuses the request's
     ``kv_transfer_params``."""
@@ -59,6 +69,7 @@ def validate_request(vllm_config: Any, request: Any) -> None:
     except ValueError as exc:
         from vllm.exceptions import VLLMValidationError
 
+        _rejections().inc()
         raise VLLMValidationError(str(exc), parameter="kv_transfer_params") from None
 
 

@@ -33,6 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from vllm_accel import faults
 from vllm_accel.kv_connector import blend
 from vllm_accel.kv_connector.chunking import ChunkMarkupError, find_chunks
 from vllm_accel.kv_connector.config import (
@@ -416,7 +417,8 @@ class ChunkReuseConnector(KVConnectorBase_V1, SupportsHMA):
         return update if (update.saved or update.lost) else None
 
     def get_kv_connector_stats(self) -> ChunkReuseStats | None:
-        increments = self.counters.take_increments(self.store)
+        # faults of other features in this worker (vllm_accel.faults) ride the same channel
+        increments = self.counters.take_increments(self.store) | faults.take_increments()
         return ChunkReuseStats(increments) if increments else None
 
     @classmethod

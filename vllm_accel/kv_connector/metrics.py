@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
+from vllm_accel import faults
 from vllm_accel.log import get_logger
 
 logger = get_logger("kv_connector")
@@ -122,9 +123,9 @@ class ChunkReusePromMetrics(KVConnectorPromMetrics):
                  per_engine_labelvalues: dict[int, list[object]]):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._counters = {}
-        for name, (key, text) in PROM_COUNTERS.items():
-            counter = self._counter_cls(name=f"vllm:chunk_reuse_{name}", documentation=text,
-                                        labelnames=labelnames)
+        names = {f"vllm:chunk_reuse_{name}": v for name, v in PROM_COUNTERS.items()}
+        for name, (key, text) in (names | faults.PROM_COUNTERS).items():
+            counter = self._counter_cls(name=name, documentation=text, labelnames=labelnames)
             self._counters[key] = {engine: counter.labels(*values)
                                    for engine, values in per_engine_labelvalues.items()}
 

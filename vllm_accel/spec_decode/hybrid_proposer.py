@@ -34,6 +34,7 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_accel import faults
 from vllm_accel.log import get_logger
 from vllm_accel.spec_decode.acceptance import Candidate, SourceRates, choose
 from vllm_accel.spec_decode.recycling_proposer import RecyclingProposer
@@ -96,6 +97,7 @@ class HybridProposer:
         try:
             return self._propose(num_speculative_tokens, input_batch, sampled_token_ids)
         except Exception:
+            faults.record("proposer_errors")
             self._log_once("error", "HybridProposer failed; this step gets no drafts (outputs "
                            "are unaffected). Logged once; later failures are silent.",
                            exc_info=True)
@@ -106,6 +108,7 @@ class HybridProposer:
 
     def _propose(self, num_speculative_tokens: int, input_batch: Any,
                  sampled_token_ids: list[list[int]]) -> list[list[int]]:
+        faults.maybe_inject("proposer")
         by_source = {
             "sam": self.sam.propose_with_batch(num_speculative_tokens, input_batch,
                                                sampled_token_ids),

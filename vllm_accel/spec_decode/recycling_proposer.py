@@ -31,6 +31,7 @@ import atexit
 import os
 from typing import Any
 
+from vllm_accel import faults
 from vllm_accel.config import load_section
 from vllm_accel.log import get_logger
 from vllm_accel.spec_decode.knobs import MAX_DRAFT, SpecDecodeKnobs
@@ -112,6 +113,7 @@ class RecyclingProposer:
         try:
             return self._propose(num_speculative_tokens, sampled_token_ids, num_tokens_no_spec)
         except Exception:
+            faults.record("proposer_errors")
             self._fail_once("propose", "RecyclingProposer failed; this step gets no drafts "
                             "(outputs are unaffected). Logged once; later failures are "
                             "silent.")
@@ -119,6 +121,7 @@ class RecyclingProposer:
 
     def _propose(self, num_speculative_tokens: int, sampled_token_ids: list[list[int]],
                  num_tokens_no_spec: Any) -> list[list[int]]:
+        faults.maybe_inject("proposer")
         k = min(num_speculative_tokens, self.num_speculative_tokens,
                 self.knobs.recycling_max_draft)
         drafts: list[list[int]] = []

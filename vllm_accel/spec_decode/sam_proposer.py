@@ -35,6 +35,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_accel import faults
 from vllm_accel.config import load_section
 from vllm_accel.log import get_logger
 from vllm_accel.spec_decode import datastore as datastore_mod
@@ -110,6 +111,7 @@ class SAMProposer:
         try:
             return self._propose(num_speculative_tokens, input_batch, sampled_token_ids)
         except Exception:
+            faults.record("proposer_errors")
             if "error" not in self._warned:
                 self._warned.add("error")
                 logger.exception("SAMProposer failed; this step gets no drafts (outputs are "
@@ -121,6 +123,7 @@ class SAMProposer:
 
     def _propose(self, num_speculative_tokens: int, input_batch: Any,
                  sampled_token_ids: list[list[int]]) -> list[list[int]]:
+        faults.maybe_inject("proposer")
         k = min(num_speculative_tokens, self.num_speculative_tokens)
         req_ids = input_batch.req_ids
         num_tokens_no_spec = input_batch.num_tokens_no_spec

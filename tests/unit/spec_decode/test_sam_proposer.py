@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from vllm_accel import faults
 from vllm_accel.config import AccelConfigError
 from vllm_accel.spec_decode import SAMProposer, datastore, sam_proposer
 
@@ -116,6 +117,7 @@ def test_a_reused_request_id_starts_a_new_automaton():
 
 def test_a_failure_gives_no_drafts_and_is_logged_once(caplog):
     p = SAMProposer(make_config())
+    faults.take_increments()
     seq = CODE + [7] + CODE[:10]
 
     def boom(*args):
@@ -127,6 +129,7 @@ def test_a_failure_gives_no_drafts_and_is_logged_once(caplog):
         assert step(p, [("a", seq, 41)]) == [[]]
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1 and errors[0].exc_info is not None
+    assert faults.take_increments() == {"proposer_errors": 2}  # every failure is counted
     del p._update  # the failure goes away: the next step drafts again
     assert step(p, [("a", seq, 41)]) == [CODE[10:18]]
 

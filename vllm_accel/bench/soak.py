@@ -1,0 +1,201 @@
+"""``vllm-accel soak``: the OpenAI server with every composable feature on, under load, next
+to plain vLLM with the same load, in the same run.
+
+Each side is one ``vllm-accel serve`` (float32, prefix caching and chunked prefill on, 512-token
+steps so long prompts are split). ``plain`` is vLLM alone; ``accel`` adds the largest set the
+composition matrix allows (:data:`vllm_accel.composition.FULL_SET`): ``ACCEL_SPARSE_PREFILL``
+(from 256 tokens of context, so the soak's long prompts use it), ``ChunkReuseConnector``
+(memory + disk stores, EPIC recompute) and ``HybridProposer`` (SAM or recycled drafts of up
+to 4 tokens where they pay off). Both get the same
+seeded stream (:mod:`.soak_workload`) from ``concurrency`` closed-loop clients. Per side:
+errors (a failed request, an unexpected status, a response that ended without a finish reason;
+client cancellations are not errors), latency and TTFT percentiles, the server's resident
+memory (its whole process tree, sampled every second) after the first quarter of the requests
+and at the end, a probe answered the same before and after the load, and the feature counters
+from ``/metrics``. ``ratios`` compare accel to plain.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vllm_accel.bench.openai_load import LoadRequest, run_load, summarize
+from vllm_accel.bench.server import Server, engine_flags, metric_total, read_metrics, served
+from vllm_accel.bench.soak_workload import probe_request, soak_requests
+from vllm_accel.log import get_logger
+
+logger = get_logger("soak")
+
+SERVED_NAME = "m"
+COMMON = {"dtype": "float32", "served_model_name": SERVED_NAME, "enable_prefix_caching": True,
+          "enable_chunked_prefill": True, "max_num_batched_tokens": 512, "max_num_seqs": 8}
+#: Counters read from /metrics at the end of each side (summed over labels).
+METRICS = ("vllm:chunk_reuse_reused_requests_total", "vllm:chunk_reuse_hit_tokens_total",
+           "vllm:chunk_reuse_saved_chunks_total", "vllm:chunk_reuse_load_failures_total",
+           "vllm:chunk_reuse_store_errors_total", "vllm:spec_decode_num_draft_tokens_total",
+           "vllm:spec_decode_num_accepted_tokens_total", "vllm:num_preemptions_total",
+           "vllm:prefix_cache_hits_total")
+
+
+def accel_engine(store_dir: str, memory_gb: float = 0.25) -> dict[str, Any]:
+    """Engine settings of the full composable set (see the module docstring)."""
+    return {
+        "attention_backend": "ACCEL_SPARSE_PREFILL",
+        "additional_config": {"vllm_accel": {"sparse_prefill": {"threshold": 256}}},
+        "kv_transfer_config": {
+            "kv_connector": "ChunkReuseConnector",
+            "kv_connector_module_path": "vllm_accel.kv_connector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"stores": ["memory", f"disk:{store_dir}"],
+                                          "memory_gb": memory_gb, "recompute": "epic"}},
+        "speculative_config": {"method": "custom_class",
+                               "model": "vllm_accel.spec_decode.HybridProposer",
+                               "num_speculative_tokens": 4},
+    }
+
+
+@dataclass
+class MemorySampler:
+    """The server's resident memory every ``interval_s`` in a thread, with the number of
+    requests done at the time."""
+
+    server: Server
+    interval_s: float = 1.0
+    done: int = 0
+    samples: list[tuple[float, int, int]] = field(default_factory=list)  # (s, done, bytes)
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def __enter__(self) -> MemorySampler:
+        self._t0 = time.monotonic()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+    def _sample(self) -> None:
+        self.samples.append((time.monotonic() - self._t0, self.done, self.server.rss_bytes()))
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._sample()
+
+    def report(self, total: int) -> dict[str, float]:
+        mib = 1 << 20
+        settled = [rss for _, done, rss in self.samples if done >= total // 4]
+        return {"rss_settled_mib": settled[0] / mib if settled else None,
+                "rss_peak_mib": max(rss for *_, rss in self.samples) / mib,
+                "rss_end_mib": self.samples[-1][2] / mib,
+                "growth_after_settled_mib": (self.samples[-1][2] - settled[0]) / mib
+                if settled else None}
+
+
+def _probe(server: Server) -> str:
+    [result] = run_load(server.url, [probe_request(SERVED_NAME)], 1)
+    if not result.ok:
+        raise RuntimeError(f"the probe request failed: {result.error}")
+    return result.text
+
+
+def run_side(label: str, model: str, engine: dict[str, Any], requests: list[LoadRequest],
+             concurrency: int, log_dir: Path) -> dict[str, Any]:
+    """One server, the probe, the load, the probe again; the side's report."""
+    flags = engine_flags({**COMMON, **engine})
+    logger.info("soak %s: %d requests at concurrency %d", label, len(requests), concurrency)
+    with served(model, flags, log_dir / f"soak-{label}.log") as server:
+        probe_before = _probe(server)
+        with MemorySampler(server) as memory:
+            def progress(done: int) -> None:
+                memory.done = done
+
+            started = time.perf_counter()
+            results = run_load(server.url, requests, concurrency, on_progress=progress)
+            wall_s = time.perf_counter() - started
+        probe_after = _probe(server)
+        samples = read_metrics(server.url)
+    report = summarize(results, wall_s)
+    report.update(memory=memory.report(len(requests)), probe_before=probe_before,
+                  probe_after=probe_after, probe_stable=probe_before == probe_after,
+                  metrics={m: metric_total(samples, m) for m in METRICS},
+                  flags=flags)
+    return report
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def run(model: str, requests: int = 200, concurrency: int = 8, seed: int = 0,
+        log_dir: str | Path = "results/logs", sides: tuple[str, ...] = ("plain", "accel"),
+        separator: str = "auto") -> dict[str, Any]:
+    """Both sides with the same request stream; the report (JSON-ready)."""
+    from transformers import AutoTokenizer
+
+    from vllm_accel.kv_connector.config import AUTO_SEPARATORS
+    from vllm_accel.kv_connector.separator import single_token_id
+    from vllm_accel.quality.data import essays
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    candidates = AUTO_SEPARATORS if separator == "auto" else (separator,)
+    sep = next((s for s in candidates if single_token_id(tokenizer, s) is not None), None)
+    if sep is None:
+        raise ValueError(f"--separator {separator}: not one token of this model's tokenizer")
+    stream = soak_requests(requests, SERVED_NAME, sep, essays(), seed=seed)
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    out: dict[str, Any] = {"model": model, "requests": requests, "concurrency": concurrency,
+                           "seed": seed, "date": time.strftime("%Y-%m-%d %H:%M UTC",
+                                                               time.gmtime())}
+    with tempfile.TemporaryDirectory(prefix="vllm-accel-soak-") as store_dir:
+        engines = {"plain": {}, "accel": accel_engine(store_dir)}
+        for side in sides:
+            out[side] = run_side(side, model, engines[side], stream, concurrency, log_dir)
+    if "plain" in out and "accel" in out:
+        plain, accel = out["plain"], out["accel"]
+        out["ratios"] = {
+            f"{what}_{q}_accel_over_plain": _ratio(accel[what][q], plain[what][q])
+            for what in ("latency_s", "ttft_s") for q in ("p50", "p90", "p99")}
+        out["ratios"]["throughput_accel_over_plain"] = _ratio(accel["requests_per_s"],
+                                                              plain["requests_per_s"])
+        out["probe_same_on_both_sides"] = plain["probe_after"] == accel["probe_after"]
+    return out
+
+
+def table(report: dict[str, Any]) -> str:
+    """A Markdown table of the sides' numbers (the docs' soak section)."""
+    sides = [s for s in ("plain", "accel") if s in report]
+    rows = [("requests / errors / cancelled",
+             lambda r: f"{r['requests']} / {r['errors']} / {r['cancelled']}"),
+            ("latency p50 / p90 / p99 (s)",
+             lambda r: " / ".join(f"{r['latency_s'][q]:.2f}" for q in ("p50", "p90", "p99"))),
+            ("TTFT p50 / p90 / p99 (s, streamed)",
+             lambda r: " / ".join(f"{r['ttft_s'][q]:.2f}" for q in ("p50", "p90", "p99"))),
+            ("requests/s", lambda r: f"{r['requests_per_s']:.2f}"),
+            ("RSS settled -> end (MiB)", lambda r: f"{r['memory']['rss_settled_mib']:.0f} -> "
+                                                   f"{r['memory']['rss_end_mib']:.0f}"),
+            ("probe unchanged", lambda r: str(r["probe_stable"]))]
+    lines = ["| | " + " | ".join(sides) + " |", "|---" * (len(sides) + 1) + "|"]
+    lines += [f"| {name} | " + " | ".join(fmt(report[s]) for s in sides) + " |"
+              for name, fmt in rows]
+    return "\n".join(lines)
+
+
+def main(model: str, json_path: str | None, **kwargs: Any) -> int:
+    report = run(model, **kwargs)
+    print(table(report))
+    if "ratios" in report:
+        print(json.dumps(report["ratios"], indent=1))
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(report, indent=1))
+    failed = [s for s in ("plain", "accel") if s in report
+              and (report[s]["errors"] or not report[s]["probe_stable"])]
+    return 1 if failed else 0
