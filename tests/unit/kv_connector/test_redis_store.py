@@ -2,77 +2,41 @@
 
 from __future__ import annotations
 
-import shutil
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import pytest
 import torch
 
+from vllm_accel.bench.server import free_port
 from vllm_accel.kv_connector.stores import build_store
 
 from .test_stores import FP, assert_same, key, make_chunk
 
 redis = pytest.importorskip("redis", reason="redis-py not installed: pip install redis")
 
+from vllm_accel.bench.redis_server import RedisServer  # noqa: E402
+from vllm_accel.bench.redis_server import available as redis_server_available  # noqa: E402
 from vllm_accel.kv_connector.stores.redis_store import RedisStore  # noqa: E402
 
 PREFIX = "vllm_accel:chunk:"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class RedisServer:
-    port: int
-    process: subprocess.Popen
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def client(self):
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=2)
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait(10)
-
-
-def start_redis(port: int) -> RedisServer:
-    binary = shutil.which("redis-server")
-    if binary is None:
+def start_redis(port: int | None = None) -> RedisServer:
+    if not redis_server_available():
         pytest.skip("redis-server not installed: apt-get install -y redis-server")
-    args = ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    proc = subprocess.Popen([binary, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    server = RedisServer(port, proc)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            if server.client().ping():
-                return server
-        except redis.ConnectionError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            server.kill()
-            pytest.fail(f"redis-server did not start on port {port} (exit code {proc.poll()})")
-        time.sleep(0.05)
+    server = RedisServer(port)
+    server.start()
+    return server
 
 
 @pytest.fixture
 def server() -> Iterator[RedisServer]:
-    server = start_redis(free_port())
+    server = start_redis()
     yield server
-    server.kill()
+    server.close()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -143,7 +107,7 @@ def test_server_down_at_start_then_back_after_backoff():
         store.put(key(1), make_chunk())
         assert_same(store.get(key(1), FP), make_chunk())
     finally:
-        server.kill()
+        server.close()
 
 
 def test_corrupt_value_is_counted_and_deleted(server):
