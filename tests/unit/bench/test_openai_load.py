@@ -45,6 +45,12 @@ class FakeOpenAI(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Connection", "close")
         self.end_headers()
+        if prompt == "bad-late":  # vLLM: an error found after the headers went out
+            error = {"error": {"message": "bad params", "param": "kv_transfer_params",
+                               "code": 400}}
+            self.wfile.write(f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode())
+            self.close_connection = True
+            return
         try:
             for i in range(5):
                 last = "length" if i == 4 else None
@@ -87,6 +93,9 @@ def test_results_cover_streaming_cancellation_and_statuses(url):
     assert abandoned.cancelled and abandoned.ok and abandoned.status is None
     assert refused.ok and refused.status == 400 and refused.body["param"] == "prompt"
     assert not failed.ok and "HTTP 400, expected 200" in failed.error
+    late = run_load(url, [req("bad-late", stream=True, expect_status=400)], concurrency=1)[0]
+    assert late.ok and late.status == 400 and late.error_in_stream
+    assert late.body["param"] == "kv_transfer_params"
     report = summarize(results, wall_s=2.0)
     assert (report["requests"], report["errors"], report["cancelled"]) == (7, 1, 2)
     assert report["finished"] == 3  # 200s run to their end (the refused one is not timed)
