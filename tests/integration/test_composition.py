@@ -8,7 +8,9 @@ the second reuses them at new offsets. Chunk reuse runs with every claimed token
 (``cacheblend`` at ratio 1.0), whose output is exact, so it can be compared token for token;
 its recompute is dense attention, so after reuse the prompt's tokens are those of dense
 prefill. Proposers are lossless: adding one must not change a token. Sparse prefill starts at
-256 tokens of context so that the ~1.1K-token prompts use it.
+256 tokens of context so that the ~1.1K-token prompts use it. The KIVI + proposer and chunk
+reuse + proposer engines also split the prompts (chunked prefill: 256-token steps); the sparse
+ones do not, because each prefill chunk's last query block is dense by design.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ SPARSE = {"attention_backend": "ACCEL_SPARSE_PREFILL",
 KIVI = {"kv_cache_dtype": "kivi_4bit", "dtype": "bfloat16"}
 REUSE = _reuse(recompute="cacheblend", recompute_ratio=1.0)
 PROPOSER = sam_engine(6)
+# 256-token steps split the ~1.1K-token prompts: chunked prefill joins the pairs that use it
+CHUNKED = {"enable_chunked_prefill": True, "max_num_batched_tokens": 256}
 
 
 @pytest.fixture(scope="module")
@@ -112,9 +116,10 @@ def test_kivi_with_proposer(run):
     steps. Measured: prompt 1 flips at its 3rd token between KIVI's top two tokens, 0.25 nats
     (two bf16 logit steps) apart; float32 puts them 0.18 apart, and vLLM's own bf16 path picks
     the other one. So: identical tokens, or a difference that starts at a near-tie; anything
-    else is a proposer or KIVI bug."""
+    else is a proposer or KIVI bug. The combined run also splits the prompts (chunked
+    prefill), which the single run does not."""
     kivi, single, _ = run("kivi", KIVI)
-    both, result, log = run("kivi+proposer", KIVI, PROPOSER)
+    both, result, log = run("kivi+proposer+chunked", KIVI, PROPOSER, CHUNKED)
     assert "Using ACCEL_KIVI_4BIT backend" in log
     outputs = single["tasks"]["out"]
     for one, top, combined in zip(kivi, (o["logprobs"] for o in outputs), both):
@@ -123,8 +128,9 @@ def test_kivi_with_proposer(run):
 
 
 def test_chunk_reuse_with_proposer(run):
+    """With chunked prefill too (the plain run prefills each prompt in one step)."""
     dense, _, _ = run("plain")
-    both, result, log = run("reuse+proposer", REUSE, PROPOSER)
+    both, result, log = run("reuse+proposer+chunked", REUSE, PROPOSER, CHUNKED)
     assert _reused_requests(log) == 1
     assert both == dense
     assert _accepted(result) > 0
