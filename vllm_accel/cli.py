@@ -316,7 +316,7 @@ def _soak(args: argparse.Namespace) -> int:
     from vllm_accel.bench import soak
 
     model_dir, _ = _model_dir_and_name(args.model)
-    return soak.main(model_dir, args.json, requests=args.requests,
+    return soak.main(model_dir, args.json, args.plot, requests=args.requests,
                      concurrency=args.concurrency, seed=args.seed, log_dir=args.log_dir,
                      sides=tuple(args.sides.split(",")))
 
@@ -460,6 +460,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--json", help="write the report as JSON here")
         p.add_argument("--log-dir", default="results/logs", help="server logs")
         if name == "soak":
+            p.add_argument("--plot", help="write a PNG plot (latency, memory) here")
             p.add_argument("--sides", default="plain,accel", help="comma-separated, in order: "
                            "plain, accel (the full set), or one feature alone: sparse, reuse, "
                            "proposer")

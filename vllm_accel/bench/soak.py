@@ -100,7 +100,9 @@ class MemorySampler:
                 "rss_peak_mib": max(rss for *_, rss in self.samples) / mib,
                 "rss_end_mib": self.samples[-1][2] / mib,
                 "growth_after_settled_mib": (self.samples[-1][2] - settled[0]) / mib
-                if settled else None}
+                if settled else None,
+                "samples": [(round(t, 1), done, round(rss / mib)) for t, done, rss in
+                            self.samples]}
 
 
 def _probe(server: Server) -> str:
@@ -201,9 +203,44 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(model: str, json_path: str | None, **kwargs: Any) -> int:
+def write_plot(report: dict[str, Any], path: str | Path) -> None:
+    """Latency percentiles per side, and each server's resident memory over the requests."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sides = [s for s in SIDES if s in report]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / 3
+    for j, q in enumerate(("p50", "p90", "p99")):
+        axes[0].bar([i + (j - 1) * width for i in range(len(sides))],
+                    [report[s]["latency_s"][q] for s in sides], width, label=q)
+    axes[0].set_xticks(range(len(sides)), sides)
+    axes[0].set_ylabel("request latency (s)")
+    axes[0].set_title(f"latency, {report['requests']} requests at concurrency "
+                      f"{report['concurrency']}")
+    axes[0].legend()
+    for s in sides:
+        samples = report[s]["memory"].get("samples") or []
+        axes[1].plot([done for _, done, _ in samples], [mib for *_, mib in samples], label=s)
+    axes[1].set_xlabel("requests done")
+    axes[1].set_ylabel("server RSS (MiB)")
+    axes[1].set_title("resident memory of the server's processes")
+    axes[1].legend()
+    fig.suptitle(f"vllm-accel soak, {Path(report['model']).name}, {report['date']}")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(model: str, json_path: str | None, plot_path: str | None = None, **kwargs: Any
+         ) -> int:
     report = run(model, **kwargs)
     print(table(report))
+    if plot_path:
+        write_plot(report, plot_path)
     if "ratios" in report:
         print(json.dumps(report["ratios"], indent=1))
     if json_path:
