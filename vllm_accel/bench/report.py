@@ -40,7 +40,7 @@ def table(result: dict[str, Any]) -> str:
         if b.get("kv_usage") is not None and a.get("kv_usage") is not None:
             # peak share of the KV cache one request takes (comparable across KV-group layouts)
             rows.append((f"KV cache use @ {n} tok", f"{b['kv_usage']:.1%}", f"{a['kv_usage']:.1%}",
-                         f"-{1 - a['kv_usage'] / b['kv_usage']:.0%}" if b["kv_usage"] else ""))
+                         f"{a['kv_usage'] / b['kv_usage'] - 1:+.0%}" if b["kv_usage"] else ""))
             rows.append((f"max concurrent @ {n} tok", _fmt(b["max_concurrency"]),
                          _fmt(a["max_concurrency"]), ""))
         else:
@@ -101,7 +101,10 @@ def write_plot(result: dict[str, Any], path: str | Path) -> None:
 
     base, accel = result["baseline"], result["accelerated"]
     lengths = list(base["by_prompt_length"])
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    q = result["quality"]
+    names = [k[: -len("_baseline")] for k in q
+             if k.endswith("_baseline") and "perplexity" not in k and q[k] is not None]
+    fig, axes = plt.subplots(1, 3 if names else 2, figsize=(14 if names else 10, 4))
     for ax, key, title in ((axes[0], "ttft_s", "TTFT (ms)"), (axes[1], "tpot_s", "TPOT (ms)")):
         for side, marker, label in ((base, "o-", "vLLM baseline"),
                                     (accel, "s-", result["feature"])):
@@ -111,19 +114,22 @@ def write_plot(result: dict[str, Any], path: str | Path) -> None:
         ax.set_xlabel("prompt tokens")
         ax.set_title(title)
         ax.legend()
-    q = result["quality"]
-    names = [k[: -len("_baseline")] for k in q
-             if k.endswith("_baseline") and "perplexity" not in k and q[k] is not None]
-    x = range(len(names))
-    axes[2].bar([i - 0.2 for i in x], [q[f"{n}_baseline"] for n in names], 0.4, label="baseline")
-    axes[2].bar([i + 0.2 for i in x], [q[f"{n}_accelerated"] for n in names], 0.4,
-                label=result["feature"])
-    axes[2].set_xticks(list(x), names)
-    axes[2].set_ylim(0, 1.05)
-    axes[2].set_title("retrieval accuracy")
-    axes[2].legend()
+    if names:  # retrieval tasks ran (not with --quick)
+        _retrieval_panel(axes[2], result, names)
     fig.suptitle(f"{result['feature']} vs vLLM on {result['model']} ({result['date']})")
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _retrieval_panel(ax: Any, result: dict[str, Any], names: list[str]) -> None:
+    q = result["quality"]
+    x = range(len(names))
+    ax.bar([i - 0.2 for i in x], [q[f"{n}_baseline"] for n in names], 0.4, label="baseline")
+    ax.bar([i + 0.2 for i in x], [q[f"{n}_accelerated"] for n in names], 0.4,
+           label=result["feature"])
+    ax.set_xticks(list(x), names)
+    ax.set_ylim(0, 1.05)
+    ax.set_title("retrieval accuracy")
+    ax.legend()
