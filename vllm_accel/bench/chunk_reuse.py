@@ -42,6 +42,7 @@ from typing import Any
 
 from vllm_accel.bench import chunk_reuse_workload as workload_mod
 from vllm_accel.bench.harness import engine_settings, run_side
+from vllm_accel.bench.report import save_figure
 
 #: Connector sides and the ``recompute`` policy each runs.
 CONNECTOR_SIDES = {"naive": "none", "epic": "epic", "cacheblend": "cacheblend"}
@@ -381,8 +382,4 @@ def write_plot(result: dict[str, Any], path: str | Path) -> None:
     axes[1].set_xticks(counts)
     axes[1].set_title("TTFT by document count")
     axes[1].legend()
-    fig.suptitle(f"chunk-reuse on {result['model']} ({result.get('date', '')})")
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, f"chunk-reuse on {result['model']} ({result.get('date', '')})", path)

@@ -116,7 +116,15 @@ def write_plot(result: dict[str, Any], path: str | Path) -> None:
         ax.legend()
     if names:  # retrieval tasks ran (not with --quick)
         _retrieval_panel(axes[2], result, names)
-    fig.suptitle(f"{result['feature']} vs vLLM on {result['model']} ({result['date']})")
+    save_figure(fig, f"{result['feature']} vs vLLM on {result['model']} ({result['date']})",
+                path)
+
+
+def save_figure(fig: Any, title: str, path: str | Path) -> None:
+    """Title, lay out and write a benchmark's matplotlib figure as a PNG, then free it."""
+    import matplotlib.pyplot as plt
+
+    fig.suptitle(title)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_accel.bench.openai_load import LoadRequest, run_load, summarize
+from vllm_accel.bench.report import save_figure
 from vllm_accel.bench.server import Server, engine_flags, metric_total, read_metrics, served
 from vllm_accel.bench.soak_workload import probe_request, soak_requests
 from vllm_accel.log import get_logger
@@ -228,11 +229,7 @@ def write_plot(report: dict[str, Any], path: str | Path) -> None:
     axes[1].set_ylabel("server RSS (MiB)")
     axes[1].set_title("resident memory of the server's processes")
     axes[1].legend()
-    fig.suptitle(f"vllm-accel soak, {Path(report['model']).name}, {report['date']}")
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, f"vllm-accel soak, {Path(report['model']).name}, {report['date']}", path)
 
 
 def main(model: str, json_path: str | None, plot_path: str | None = None, **kwargs: Any

@@ -47,6 +47,7 @@ from typing import Any
 
 from vllm_accel.bench import spec_workloads
 from vllm_accel.bench.harness import engine_settings, run_side
+from vllm_accel.bench.report import save_figure
 
 SAM_CLASS = "vllm_accel.spec_decode.SAMProposer"
 #: The vllm_accel proposers compared, by configuration label.
@@ -340,8 +341,4 @@ def write_plot(result: dict[str, Any], path: str | Path) -> None:
         ax.set_xticks(range(len(names)), names)
         ax.set_title(title)
         ax.legend()
-    fig.suptitle(f"spec-decode on {result['model']}")
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, f"spec-decode on {result['model']}", path)
