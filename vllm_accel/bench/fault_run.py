@@ -35,7 +35,7 @@ from typing import Any
 from vllm_accel.bench.openai_load import LoadRequest, run_load, summarize
 from vllm_accel.bench.redis_server import redis_server
 from vllm_accel.bench.server import engine_flags, metric_total, read_metrics, served
-from vllm_accel.bench.soak_workload import essay_pool
+from vllm_accel.bench.soak_workload import essay_pool, separator_text
 from vllm_accel.log import get_logger
 
 logger = get_logger("fault_run")
@@ -123,16 +123,10 @@ def _schedule(total: int, actions: dict[float, Callable[[], None]]
 def run(model: str, requests: int = 120, concurrency: int = 8, seed: int = 0,
         proposer_fault_rate: float = 0.05, log_dir: str | Path = "results/logs"
         ) -> dict[str, Any]:
-    from transformers import AutoTokenizer
-
     from vllm_accel.faults import ENV
-    from vllm_accel.kv_connector.config import AUTO_SEPARATORS
-    from vllm_accel.kv_connector.separator import single_token_id
     from vllm_accel.quality.data import essays
 
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    separator = next(s for s in AUTO_SEPARATORS if single_token_id(tokenizer, s) is not None)
-    stream = fault_requests(requests, separator, essays(), seed)
+    stream = fault_requests(requests, separator_text(model), essays(), seed)
     checked = [i for i, r in enumerate(stream) if r.expect_status == 200]
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)

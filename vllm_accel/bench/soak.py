@@ -29,7 +29,7 @@ from typing import Any
 from vllm_accel.bench.openai_load import LoadRequest, run_load, summarize
 from vllm_accel.bench.report import save_figure
 from vllm_accel.bench.server import Server, engine_flags, metric_total, read_metrics, served
-from vllm_accel.bench.soak_workload import probe_request, soak_requests
+from vllm_accel.bench.soak_workload import probe_request, separator_text, soak_requests
 from vllm_accel.log import get_logger
 
 logger = get_logger("soak")
@@ -151,21 +151,12 @@ def _ratios(side: dict[str, Any], plain: dict[str, Any]) -> dict[str, Any]:
 
 
 def run(model: str, requests: int = 200, concurrency: int = 8, seed: int = 0,
-        log_dir: str | Path = "results/logs", sides: tuple[str, ...] = ("plain", "accel"),
-        separator: str = "auto") -> dict[str, Any]:
-    """Both sides with the same request stream; the report (JSON-ready)."""
-    from transformers import AutoTokenizer
-
-    from vllm_accel.kv_connector.config import AUTO_SEPARATORS
-    from vllm_accel.kv_connector.separator import single_token_id
+        log_dir: str | Path = "results/logs", sides: tuple[str, ...] = ("plain", "accel")
+        ) -> dict[str, Any]:
+    """Every side with the same request stream; the report (JSON-ready)."""
     from vllm_accel.quality.data import essays
 
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    candidates = AUTO_SEPARATORS if separator == "auto" else (separator,)
-    sep = next((s for s in candidates if single_token_id(tokenizer, s) is not None), None)
-    if sep is None:
-        raise ValueError(f"--separator {separator}: not one token of this model's tokenizer")
-    stream = soak_requests(requests, SERVED_NAME, sep, essays(), seed=seed)
+    stream = soak_requests(requests, SERVED_NAME, separator_text(model), essays(), seed=seed)
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     out: dict[str, Any] = {"model": model, "requests": requests, "concurrency": concurrency,

@@ -26,6 +26,17 @@ SHORT_PROMPTS = ("The capital of France is", "Write a haiku about the sea.",
 PROBE = "The three most important ideas in the essay are"
 
 
+def separator_text(model_dir: str) -> str:
+    """The chunk separator the connector picks for this model (``chunk_separator: auto``), as
+    prompt text."""
+    from transformers import AutoTokenizer
+
+    from vllm_accel.kv_connector.separator import separator_from_tokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return tokenizer.convert_ids_to_tokens(separator_from_tokenizer(tokenizer, "auto"))
+
+
 def essay_pool(essays: dict[str, str], count: int, rng: random.Random,
                min_chars: int = 600, max_chars: int = 1200) -> list[str]:
     """``count`` essay excerpts of ``min_chars..max_chars`` characters, cut at sentence ends."""
