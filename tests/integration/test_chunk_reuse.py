@@ -151,9 +151,8 @@ def test_serve_reuses_documents_marked_in_prompt_text(default_model, tmp_path):
     naming the parameter before they reach the engine, and the server keeps serving."""
     import json
     import urllib.error
-    import urllib.request
 
-    from vllm_accel.bench.server import post_json, served
+    from vllm_accel.bench.server import metric_total, post_json, read_metrics, served
     from vllm_accel.quality.data import essays_dir
 
     config = _reuse()["kv_transfer_config"]
@@ -180,13 +179,12 @@ def test_serve_reuses_documents_marked_in_prompt_text(default_model, tmp_path):
         assert "chunk_spans: [3, 1] must be non-empty" in error["message"], error
         assert ask([1, 2, 0])["finish_reason"] in ("length", "stop")  # still serving
         time.sleep(1)
-        metrics = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
+        samples = read_metrics(url)
 
     def metric(name: str) -> float:
-        found = re.search(rf"^vllm:chunk_reuse_{name}_total{{[^}}]*}} ([0-9.e+]+)$", metrics,
-                          re.M)
-        assert found, f"vllm:chunk_reuse_{name}_total missing from /metrics"
-        return float(found.group(1))
+        full = f"vllm:chunk_reuse_{name}_total"
+        assert any(key.startswith(full + "{") for key in samples), f"{full} missing from /metrics"
+        return metric_total(samples, full)
 
     assert metric("reused_requests") == 2
     assert metric("hit_tokens") >= 128

@@ -32,10 +32,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from vllm_accel.bench.chunk_reuse import CONNECTOR
 from vllm_accel.bench.openai_load import LoadRequest, run_load, summarize
 from vllm_accel.bench.redis_server import redis_server
 from vllm_accel.bench.server import engine_flags, metric_total, read_metrics, served
 from vllm_accel.bench.soak_workload import essay_pool, separator_text
+from vllm_accel.bench.spec_decode import SAM_CLASS
 from vllm_accel.log import get_logger
 
 logger = get_logger("fault_run")
@@ -155,11 +157,9 @@ def run(model: str, requests: int = 120, concurrency: int = 8, seed: int = 0,
                 corrupt_files(store_dir, rng)
 
             engine = {**COMMON, "kv_transfer_config": {
-                "kv_connector": "ChunkReuseConnector",
-                "kv_connector_module_path": "vllm_accel.kv_connector", "kv_role": "kv_both",
+                **CONNECTOR,
                 "kv_connector_extra_config": {"stores": [redis.url, f"disk:{store_dir}"]}},
-                "speculative_config": {"method": "custom_class",
-                                       "model": "vllm_accel.spec_decode.SAMProposer",
+                "speculative_config": {"method": "custom_class", "model": SAM_CLASS,
                                        "num_speculative_tokens": 4}}
             on_progress, actions = _schedule(requests, {0.2: kill_redis, 0.4: restart_redis,
                                                         0.55: corrupt_store})

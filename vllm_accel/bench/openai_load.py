@@ -63,6 +63,11 @@ def _content(choice: dict[str, Any]) -> str:
     return (choice.get("delta") or choice.get("message") or {}).get("content") or ""
 
 
+def _error_object(payload: Any) -> dict[str, Any]:
+    """The ``error`` object of an OpenAI error answer (the whole body if it has none)."""
+    return payload.get("error", payload) if isinstance(payload, dict) else {}
+
+
 async def _send(client: Any, url: str, req: LoadRequest, out: RequestResult) -> None:
     started = time.perf_counter()
     body = {**req.body, "stream": req.stream}
@@ -74,14 +79,13 @@ async def _send(client: Any, url: str, req: LoadRequest, out: RequestResult) -> 
             choice = payload["choices"][0]
             out.text, out.finish_reason = _content(choice), choice.get("finish_reason")
         else:
-            out.body = payload.get("error", payload) if isinstance(payload, dict) else {}
+            out.body = _error_object(payload)
         out.latency_s = time.perf_counter() - started
         return
     async with client.stream("POST", url, json=body) as response:
         out.status = response.status_code
         if response.status_code != 200:
-            payload = json.loads(await response.aread() or b"{}")
-            out.body = payload.get("error", payload) if isinstance(payload, dict) else {}
+            out.body = _error_object(json.loads(await response.aread() or b"{}"))
             out.latency_s = time.perf_counter() - started
             return
         parts = []

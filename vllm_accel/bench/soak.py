@@ -26,10 +26,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vllm_accel.bench.chunk_reuse import CONNECTOR
 from vllm_accel.bench.openai_load import LoadRequest, run_load, summarize
 from vllm_accel.bench.report import save_figure
 from vllm_accel.bench.server import Server, engine_flags, metric_total, read_metrics, served
 from vllm_accel.bench.soak_workload import probe_request, separator_text, soak_requests
+from vllm_accel.bench.spec_decode import PROPOSER_CLASSES
 from vllm_accel.log import get_logger
 
 logger = get_logger("soak")
@@ -53,12 +55,11 @@ def feature_engines(store_dir: str, memory_gb: float = 0.25) -> dict[str, dict[s
         "sparse": {"attention_backend": "ACCEL_SPARSE_PREFILL",
                    "additional_config": {"vllm_accel": {"sparse_prefill": {"threshold": 256}}}},
         "reuse": {"kv_transfer_config": {
-            "kv_connector": "ChunkReuseConnector",
-            "kv_connector_module_path": "vllm_accel.kv_connector", "kv_role": "kv_both",
+            **CONNECTOR,
             "kv_connector_extra_config": {"stores": ["memory", f"disk:{store_dir}"],
                                           "memory_gb": memory_gb, "recompute": "epic"}}},
         "proposer": {"speculative_config": {"method": "custom_class",
-                                            "model": "vllm_accel.spec_decode.HybridProposer",
+                                            "model": PROPOSER_CLASSES["hybrid"],
                                             "num_speculative_tokens": 4}},
     }
     accel = {k: v for engine in features.values() for k, v in engine.items()}
