@@ -2,8 +2,9 @@
 
 Four documents (essay slices, one carrying a passcode) are presented in three orders; the first
 prompt saves the chunks, the later ones reuse them at new offsets. Checks: with every claimed
-token recomputed (``cacheblend`` at ratio 1.0) the output is token-identical to no reuse, so
-loading, re-rotation and the recompute path are exact; the default policy (EPIC) answers
+token recomputed (``cacheblend`` at ratio 1.0) and APE attention at a temperature of ~1 the
+output is token-identical to no reuse, so loading, re-rotation, the recompute path and APE's
+attention over the pages are exact; the default policy (EPIC) answers
 correctly while recomputing a small fraction; an unreachable store and a different cache salt
 give exactly the no-reuse behaviour, and a second engine reuses, through Redis, the chunks the
 first saved for the same tenant; chunked prefill with prefix caching still answers.
@@ -87,10 +88,16 @@ def plain(prompts, tmp_path_factory, default_model):
 
 @pytest.mark.real_model
 def test_full_recompute_through_the_connector_is_exact(run, prompts, plain):
+    # APE at a temperature of ~1 also runs: its attention over the pages (batch rows -> requests,
+    # positions, chunk mask) must reproduce vLLM's own for the question and generated tokens
     tokens, _, log = run("cacheblend-all", prompts,
-                         **_reuse(recompute="cacheblend", recompute_ratio=1.0))
+                         **_reuse(recompute="cacheblend", recompute_ratio=1.0,
+                                  attention_temperature=0.99999))
     assert _counter(log, "scheduler", "reused_requests") == 2  # orders 2 and 3 reused chunks
     assert _counter(log, "worker", "load_failures") == 0
+    assert "APE attention on 30 layers" in log
+    # the question and 9 generated tokens of 2 prompts, in each of 30 layers
+    assert _counter(log, "worker", "ape_token_layers") >= 2 * 10 * 30
     assert tokens == plain[0]
 
 

@@ -6,11 +6,14 @@
 * **Request ids.** Builders see batch rows, not requests, and rows move between steps. KIVI's
   residual pool (``--kv-cache-dtype kivi_*``) keeps one entry per running request and must know
   which request each row is, and which requests the runner still holds (running or preempted):
-  the others' entries are free.
+  the others' entries are free. The chunk-reuse connector's APE attention
+  (``kv_connector/ape.py``) needs the request of each row in the forward, after the metadata
+  was built.
 
 The runtime patch ``vllm_accel._patches.attention_step_requests`` publishes them here while the
 runner builds the step's attention metadata; builders read them with :func:`prompt_lens`,
-:func:`row_req_ids` and :func:`live_req_ids`. No vLLM import.
+:func:`row_req_ids` and :func:`live_req_ids`; attention layers in the forward that follows read
+:func:`forward_req_ids`. No vLLM import.
 """
 
 from __future__ import annotations
@@ -31,11 +34,15 @@ class StepRequests:
 
 
 _current: dict[str, StepRequests | None] = {"step": None}
+_forward_rows: list[list[str | None]] = [[]]
 
 
 def publish(step: StepRequests | None) -> None:
-    """Set the step's requests, or clear them (None) once its metadata is built."""
+    """Set the step's requests, or clear them (None) once its metadata is built. The row
+    order of the last published step stays readable for the forward (:func:`forward_req_ids`)."""
     _current["step"] = step
+    if step is not None:
+        _forward_rows[0] = list(step.req_ids)  # the runner reorders its list in place
 
 
 def _step() -> StepRequests:
@@ -67,3 +74,11 @@ def live_req_ids() -> Collection[str]:
     """Requests the model runner still holds (scheduled, unscheduled or preempted, not
     finished): state kept for any other request can be dropped."""
     return _step().live_req_ids
+
+
+def forward_req_ids(num_reqs: int) -> list[str | None]:
+    """The request id of batch rows ``0 .. num_reqs-1`` of the batch whose attention metadata
+    was built last: in the forward of that step, the rows attention layers see (None where
+    unknown)."""
+    ids = _forward_rows[0][:num_reqs]
+    return ids + [None] * (num_reqs - len(ids))

@@ -11,7 +11,9 @@ One run starts one engine per side, in turn (each in its own process, see
   recomputed);
 * ``epic``         — the connector's default policy (the first ``epic_tokens`` of every reused
   chunk recomputed);
-* ``cacheblend``   — the connector with CacheBlend's selective recompute (``recompute_ratio``).
+* ``cacheblend``   — the connector with CacheBlend's selective recompute (``recompute_ratio``);
+* ``ape``, ``epic_ape`` — ``naive`` / ``epic`` plus APE's attention temperature and scale
+  (``attention_temperature``, ``attention_scale``) for the question over the reused chunks.
 
 Each side first runs a warm-up pass that presents every document once (untimed; it fills the
 chunk store or the prefix cache), then the measured prompts, one at a time (batch 1): the same
@@ -44,8 +46,10 @@ from vllm_accel.bench import chunk_reuse_workload as workload_mod
 from vllm_accel.bench.harness import engine_settings, run_side
 from vllm_accel.bench.report import save_figure
 
-#: Connector sides and the ``recompute`` policy each runs.
-CONNECTOR_SIDES = {"naive": "none", "epic": "epic", "cacheblend": "cacheblend"}
+#: Connector sides: the ``recompute`` policy each runs, and whether it adds APE attention.
+CONNECTOR_SIDES = {"naive": ("none", False), "epic": ("epic", False),
+                   "cacheblend": ("cacheblend", False), "ape": ("none", True),
+                   "epic_ape": ("epic", True)}
 ALL_SIDES = ("full", "prefix_cache", *CONNECTOR_SIDES)
 DEFAULT_POLICY = "epic"
 CONNECTOR = {"kv_connector": "ChunkReuseConnector",
@@ -74,6 +78,9 @@ class ChunkReusePlan:
     epic_tokens: int = 16
     recompute_ratio: float = 0.15
     min_reuse_tokens: int = 64
+    #: APE knobs of the ``ape`` and ``epic_ape`` sides.
+    attention_temperature: float = 0.5
+    attention_scale: float = 1.0
     #: 0: the longest prompt plus ``max_tokens``, rounded up to 256.
     max_model_len: int = 0
 
@@ -102,11 +109,14 @@ FULL = ChunkReusePlan(num_chunks=(4, 8, 10), chunk_tokens=1024, questions=8,
                       two_doc_questions=3)
 
 
-def connector_config(policy: str, plan: ChunkReusePlan) -> dict[str, Any]:
-    return {**CONNECTOR, "kv_connector_extra_config": {
-        "recompute": policy, "stores": list(plan.stores), "epic_tokens": plan.epic_tokens,
-        "recompute_ratio": plan.recompute_ratio, "min_reuse_tokens": plan.min_reuse_tokens,
-        "save_new_chunks": True}}
+def connector_config(policy: str, plan: ChunkReusePlan, ape: bool = False) -> dict[str, Any]:
+    extra = {"recompute": policy, "stores": list(plan.stores), "epic_tokens": plan.epic_tokens,
+             "recompute_ratio": plan.recompute_ratio, "min_reuse_tokens": plan.min_reuse_tokens,
+             "save_new_chunks": True}
+    if ape:
+        extra.update(attention_temperature=plan.attention_temperature,
+                     attention_scale=plan.attention_scale)
+    return {**CONNECTOR, "kv_connector_extra_config": extra}
 
 
 def side_engines(plan: ChunkReusePlan) -> dict[str, dict[str, Any]]:
@@ -116,7 +126,8 @@ def side_engines(plan: ChunkReusePlan) -> dict[str, dict[str, Any]]:
         extra: dict[str, Any] = {"dtype": plan.dtype, "enforce_eager": True,
                                  "enable_prefix_caching": label == "prefix_cache"}
         if label in CONNECTOR_SIDES:
-            extra["kv_transfer_config"] = connector_config(CONNECTOR_SIDES[label], plan)
+            policy, ape = CONNECTOR_SIDES[label]
+            extra["kv_transfer_config"] = connector_config(policy, plan, ape)
         out[label] = extra
     return out
 

@@ -48,6 +48,11 @@ class ChunkReuseConfig:
     recompute: str = "epic"
     epic_tokens: int = 16
     recompute_ratio: float = 0.15
+    #: APE (``kv_connector/ape.py``): the question's and generated tokens' attention over the
+    #: loaded chunk tokens uses logits / ``attention_temperature`` and weighs the chunk segment
+    #: by ``attention_scale``; both 1 (default): ordinary attention, no extra work.
+    attention_temperature: float = 1.0
+    attention_scale: float = 1.0
     #: Reuse only when the loaded chunks cover at least this many tokens.
     min_reuse_tokens: int = 64
     #: Save chunks seen for the first time (``False``: read-only, e.g. a precomputed store).
@@ -55,6 +60,10 @@ class ChunkReuseConfig:
     #: Seconds between the counter log lines of each side (``0``: after every step / finished
     #: request); a last line is logged at shutdown.
     log_interval_s: float = 10.0
+
+    @property
+    def ape(self) -> bool:
+        return self.attention_temperature != 1.0 or self.attention_scale != 1.0
 
     @property
     def memory_bytes(self) -> int:
@@ -72,6 +81,9 @@ class ChunkReuseConfig:
             bad["epic_tokens"] = "must be in [0, 4096]"
         if not 0.0 <= self.recompute_ratio <= 1.0:
             bad["recompute_ratio"] = "must be in [0, 1]"
+        for name in ("attention_temperature", "attention_scale"):
+            if not 0.0 < getattr(self, name) <= 2.0:
+                bad[name] = "must be in (0, 2] (1: ordinary attention)"
         if self.log_interval_s < 0:
             bad["log_interval_s"] = "must be >= 0"
         if self.min_reuse_tokens < 1:

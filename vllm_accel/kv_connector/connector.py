@@ -34,7 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from vllm_accel import faults
-from vllm_accel.kv_connector import blend
+from vllm_accel.kv_connector import ape, blend
 from vllm_accel.kv_connector.chunking import ChunkMarkupError, find_chunks
 from vllm_accel.kv_connector.config import (
     ChunkReuseConfig,
@@ -149,6 +149,7 @@ class ChunkReuseConnector(KVConnectorBase_V1, SupportsHMA):
         self.counters = ReuseCounters(role.name.lower(), self.config.log_interval_s)
         self._requests: dict[str, _RequestState] = {}
         self._layers: list[PagedLayerKV] | None = None
+        self._ape: ape.ApeRegistry | None = None
         self._kv_caches: dict[str, torch.Tensor] = {}
         # Scheduler: chunk keys the workers saved (their memory tier is in their process).
         self._known: OrderedDict[str, None] = OrderedDict()
@@ -165,8 +166,10 @@ class ChunkReuseConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             self.separator_id = resolve_separator(vllm_config.model_config,
                                                   self.config.chunk_separator)
-        logger.info("%s (%s): stores %s, recompute=%s, fingerprint %s", NAME, role.name,
-                    list(self.config.stores), self.config.recompute, self.fingerprint[:12])
+        logger.info("%s (%s): stores %s, recompute=%s, attention temperature/scale %s/%s, "
+                    "fingerprint %s", NAME, role.name, list(self.config.stores),
+                    self.config.recompute, self.config.attention_temperature,
+                    self.config.attention_scale, self.fingerprint[:12])
 
     @classmethod
     def validate_kv_transfer_params(cls, vllm_config: VllmConfig,
@@ -298,6 +301,34 @@ class ChunkReuseConnector(KVConnectorBase_V1, SupportsHMA):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._kv_caches = dict(kv_caches)
+        if self.config.ape:
+            self._install_ape()
+
+    def _install_ape(self) -> None:
+        from vllm.platforms import current_platform
+
+        context = self._vllm_config.compilation_config.static_forward_context
+        registry = ape.ApeRegistry(self.config.attention_temperature,
+                                   self.config.attention_scale)
+        try:
+            count = ape.install({n: context[n] for n in self._kv_caches}, registry,
+                                current_platform.is_cpu())
+        except ValueError as exc:
+            raise ValueError(f"{knob('attention_temperature')}/{knob('attention_scale')}: APE "
+                             f"attention cannot run on this model: {exc}") from None
+        self._ape = registry
+        logger.info("%s: APE attention on %d layers (temperature %s, scale %s)", NAME, count,
+                    registry.temperature, registry.chunk_scale)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
+                                                                set[str] | None]:
+        if self._ape is not None:
+            self._ape.drop(finished_req_ids)
+            token_layers = self._ape.take_token_layers()
+            if token_layers:
+                self.counters.add("ape_token_layers", token_layers)
+                self.counters.maybe_log(self.store)
+        return None, None
 
     def _paged_layers(self) -> list[PagedLayerKV]:
         if self._layers is None:
@@ -357,6 +388,9 @@ class ChunkReuseConnector(KVConnectorBase_V1, SupportsHMA):
         forced += sorted(failed)
         self.counters.add("forced_tokens", len(forced))
         self._recompute(model, layers, block_table, req, forced, failed)
+        if self._ape is not None:
+            self._ape.record(req.req_id, [p for p in req.candidates if p not in failed],
+                             len(req.token_ids))
         self.counters.add("load_seconds", time.perf_counter() - started)
 
     def _recompute(self, model: torch.nn.Module, layers: list[PagedLayerKV],

@@ -38,6 +38,8 @@ PROM_COUNTERS = {
                                "Token-layers the connector recomputed (selective recompute)"),
     "claimed_token_layers": ("claimed_token_layers",
                              "Token-layers of claimed tokens (what full recompute would cost)"),
+    "ape_token_layers": ("ape_token_layers",
+                         "Query token-layers attended with APE's temperature and scale"),
     "loaded_bytes": ("loaded_bytes", "Bytes of chunk KV written into the paged cache"),
     "saved_chunks": ("saved_chunks", "Chunks saved to the store"),
     "load_failures": ("load_failures", "Chunks that could not be loaded (recomputed instead)"),

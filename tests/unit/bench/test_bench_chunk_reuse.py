@@ -210,8 +210,12 @@ def test_sides_engines_and_tasks():
     extra = engines["epic"]["kv_transfer_config"]["kv_connector_extra_config"]
     assert extra["recompute"] == "epic" and extra["stores"] == ["memory", "disk:/tmp/x"]
     assert extra["recompute_ratio"] == 0.3 and engines["epic"]["dtype"] == "float32"
-    assert chunk_reuse.side_engines(chunk_reuse.QUICK)["naive"]["kv_transfer_config"][
-        "kv_connector_extra_config"]["recompute"] == "none"
+    quick = chunk_reuse.side_engines(chunk_reuse.QUICK)
+    naive = quick["naive"]["kv_transfer_config"]["kv_connector_extra_config"]
+    assert naive["recompute"] == "none" and "attention_temperature" not in naive
+    epic_ape = quick["epic_ape"]["kv_transfer_config"]["kv_connector_extra_config"]
+    assert epic_ape["recompute"] == "epic"
+    assert epic_ape["attention_temperature"] == chunk_reuse.QUICK.attention_temperature
     _, work = _build(num_chunks=(4, 6))
     tasks = chunk_reuse.tasks(plan, work)
     assert tasks[0]["name"] == "warmup" and tasks[0]["max_tokens"] == 1
