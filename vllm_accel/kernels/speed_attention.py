@@ -24,6 +24,8 @@ anchor block(s) and the blocks from ``P - 1`` on) with the usual online softmax,
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -55,6 +57,102 @@ def _request_pages(seq_len: int, prompt_len: int, anchor_tokens: int,
     return sorted(set(anchor_pages) | set(tail_pages))
 
 
+@dataclass
+class SpeedUpperPlan:
+    """What :func:`run_speed_upper_attention` needs besides the pages and the queries: it
+    depends on the step's metadata only, so one plan serves every upper layer of a step
+    (FlashInfer's ``plan()``/``run()`` split)."""
+
+    pages: torch.Tensor  # long [n * max_pages]: physical pages to gather (0 for padding)
+    hidden: torch.Tensor  # bool [n, max_pages * page_size, 1, 1]: key slots to zero
+    mask: torch.Tensor  # bool [n, 1, max_q, max_keys]: visible keys per query
+    q_index: torch.Tensor  # long [n * max_q]: query row of each padded slot (0 for padding)
+    keep: torch.Tensor  # bool [n * max_q]: padded slots that are real queries
+    out_rows: torch.Tensor  # long [num kept]: where the kept slots go in the output
+    num_reqs: int  # requests with queries (n)
+    max_q: int
+
+
+def plan_speed_upper_attention(
+    query_positions: torch.Tensor,  # [T] absolute positions
+    query_start_loc: list[int],  # [R + 1] rows of each request in ``query``
+    block_table: torch.Tensor,  # [R, max_pages] physical page of each logical page
+    seq_lens: list[int],  # [R] keys of each request (context + new tokens)
+    prompt_lens: list[int],  # [R]
+    anchor_tokens: int,
+    page_size: int,
+    device: torch.device,
+) -> SpeedUpperPlan | None:
+    """The gather indices and masks of one step (None: no query rows)."""
+    num_reqs = len(seq_lens)
+    q_lens = [query_start_loc[r + 1] - query_start_loc[r] for r in range(num_reqs)]
+    active = [r for r in range(num_reqs) if q_lens[r] > 0]
+    if not active:
+        return None
+    pages = [_request_pages(seq_lens[r], prompt_lens[r], anchor_tokens, page_size)
+             for r in range(num_reqs)]
+    max_pages = max(len(pages[r]) for r in active)
+    max_q = max(q_lens[r] for r in active)
+    n = len(active)
+
+    logical = torch.full((n, max_pages), -1, dtype=torch.long)
+    for i, r in enumerate(active):
+        logical[i, : len(pages[r])] = torch.tensor(pages[r], dtype=torch.long)
+    valid_page = logical >= 0
+    rows = torch.tensor(active, dtype=torch.long)
+    physical = block_table.index_select(0, rows.to(block_table.device)).long().cpu()
+    physical = torch.where(valid_page, physical.gather(1, logical.clamp(min=0)), 0)
+
+    # key positions and their visibility
+    offsets = torch.arange(page_size)
+    key_pos = (logical.unsqueeze(-1) * page_size + offsets).reshape(n, -1)  # [n, max_keys]
+    prompt = torch.tensor([prompt_lens[r] for r in active]).unsqueeze(1)
+    seq = torch.tensor([seq_lens[r] for r in active]).unsqueeze(1)
+    key_ok = (valid_page.repeat_interleave(page_size, dim=1) & (key_pos < seq)
+              & upper_active(key_pos, prompt, anchor_tokens))
+
+    # queries, padded per request; padding rows see every valid key (no NaN) and are dropped
+    q_index = torch.full((n, max_q), -1, dtype=torch.long)
+    for i, r in enumerate(active):
+        q_index[i, : q_lens[r]] = torch.arange(query_start_loc[r], query_start_loc[r + 1])
+    q_valid = q_index >= 0
+    q_pos = torch.where(q_valid, query_positions.cpu()[q_index.clamp(min=0)],
+                        torch.iinfo(torch.long).max)
+    mask = key_ok.unsqueeze(1) & (key_pos.unsqueeze(1) <= q_pos.unsqueeze(2))  # [n, max_q, K]
+    keep = q_valid.reshape(-1)
+    return SpeedUpperPlan(
+        pages=physical.reshape(-1).to(device),
+        # Masked slots (unwritten positions, padding pages -> the null page) may hold
+        # anything, and a masked NaN still poisons softmax(..) @ V: they are zeroed.
+        hidden=(~key_ok).to(device)[:, :, None, None],
+        mask=mask.unsqueeze(1).to(device),
+        q_index=q_index.clamp(min=0).reshape(-1).to(device),
+        keep=keep.to(device),
+        out_rows=q_index.reshape(-1)[keep].to(device),
+        num_reqs=n, max_q=max_q)
+
+
+def run_speed_upper_attention(plan: SpeedUpperPlan | None, query: torch.Tensor, key_pages,
+                              value_pages, scale: float) -> torch.Tensor:
+    """One layer's upper attention with a step's plan; returns ``[T, H_q, D]``."""
+    out = query.new_empty(query.shape)
+    if plan is None or query.shape[0] == 0:
+        return out
+    n, max_q = plan.num_reqs, plan.max_q
+    page_size, num_kv_heads, head_dim = key_pages.shape[1:4]
+    k = key_pages.index_select(0, plan.pages).reshape(n, -1, num_kv_heads, head_dim)
+    v = value_pages.index_select(0, plan.pages).reshape(n, -1, num_kv_heads, head_dim)
+    k, v = k.masked_fill(plan.hidden, 0), v.masked_fill(plan.hidden, 0)
+    q = query.index_select(0, plan.q_index)
+    q = q.reshape(n, max_q, *query.shape[1:]).transpose(1, 2)  # [n, H_q, max_q, D]
+    o = F.scaled_dot_product_attention(
+        q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=plan.mask, scale=scale,
+        enable_gqa=q.shape[1] != num_kv_heads)
+    o = o.transpose(1, 2).reshape(n * max_q, *query.shape[1:])
+    out.index_copy_(0, plan.out_rows, o[plan.keep].to(out.dtype))
+    return out
+
+
 def speed_upper_attention(
     query: torch.Tensor,  # [T, H_q, D]
     query_positions: torch.Tensor,  # [T] absolute positions
@@ -71,68 +169,17 @@ def speed_upper_attention(
     """SPEED upper-layer attention for ``R`` requests; returns ``[T, H_q, D]``.
 
     ``backend``: ``"auto"`` (Triton on CUDA, torch otherwise), ``"torch"`` or ``"triton"``.
+    The torch path is :func:`plan_speed_upper_attention` then
+    :func:`run_speed_upper_attention`; a caller with several layers plans once.
     """
     if choose_backend(backend, query) == "triton":
         return _speed_upper_attention_triton(query, query_positions, query_start_loc,
                                              key_pages, value_pages, block_table, seq_lens,
                                              prompt_lens, anchor_tokens, scale)
-    num_reqs = len(seq_lens)
-    page_size = key_pages.shape[1]
-    out = query.new_empty(query.shape)
-    if query.shape[0] == 0:
-        return out
-    pages = [_request_pages(seq_lens[r], prompt_lens[r], anchor_tokens, page_size)
-             for r in range(num_reqs)]
-    q_lens = [query_start_loc[r + 1] - query_start_loc[r] for r in range(num_reqs)]
-    active = [r for r in range(num_reqs) if q_lens[r] > 0]
-    max_pages = max(len(pages[r]) for r in active)
-    max_q = max(q_lens[r] for r in active)
-    n = len(active)
-    device = query.device
-
-    logical = torch.full((n, max_pages), -1, dtype=torch.long)
-    for i, r in enumerate(active):
-        logical[i, : len(pages[r])] = torch.tensor(pages[r], dtype=torch.long)
-    valid_page = logical >= 0
-    rows = torch.tensor(active, dtype=torch.long)
-    physical = block_table.index_select(0, rows.to(block_table.device)).long().cpu()
-    physical = torch.where(valid_page, physical.gather(1, logical.clamp(min=0)), 0)
-    flat = physical.reshape(-1).to(device)
-    num_kv_heads, head_dim = key_pages.shape[2], key_pages.shape[3]
-    k = key_pages.index_select(0, flat).reshape(n, max_pages * page_size, num_kv_heads, head_dim)
-    v = value_pages.index_select(0, flat).reshape(n, max_pages * page_size, num_kv_heads,
-                                                  head_dim)
-
-    # key positions and their visibility
-    offsets = torch.arange(page_size)
-    key_pos = (logical.unsqueeze(-1) * page_size + offsets).reshape(n, -1)  # [n, max_keys]
-    prompt = torch.tensor([prompt_lens[r] for r in active]).unsqueeze(1)
-    seq = torch.tensor([seq_lens[r] for r in active]).unsqueeze(1)
-    key_ok = (valid_page.repeat_interleave(page_size, dim=1) & (key_pos < seq)
-              & upper_active(key_pos, prompt, anchor_tokens))
-    # Masked slots (unwritten positions, padding pages -> the null page) may hold anything,
-    # and a masked NaN still poisons softmax(..) @ V: zero them.
-    hidden = ~key_ok.to(device)[:, :, None, None]
-    k, v = k.masked_fill(hidden, 0), v.masked_fill(hidden, 0)
-
-    # queries, padded per request; padding rows see every valid key (no NaN) and are dropped
-    q_index = torch.full((n, max_q), -1, dtype=torch.long)
-    for i, r in enumerate(active):
-        q_index[i, : q_lens[r]] = torch.arange(query_start_loc[r], query_start_loc[r + 1])
-    q_valid = q_index >= 0
-    q_pos = torch.where(q_valid, query_positions.cpu()[q_index.clamp(min=0)],
-                        torch.iinfo(torch.long).max)
-    mask = key_ok.unsqueeze(1) & (key_pos.unsqueeze(1) <= q_pos.unsqueeze(2))  # [n, max_q, K]
-    q = query.index_select(0, q_index.clamp(min=0).reshape(-1).to(device))
-    q = q.reshape(n, max_q, *query.shape[1:]).transpose(1, 2)  # [n, H_q, max_q, D]
-    o = F.scaled_dot_product_attention(
-        q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask.unsqueeze(1).to(device),
-        scale=scale, enable_gqa=q.shape[1] != num_kv_heads)
-    o = o.transpose(1, 2).reshape(n * max_q, *query.shape[1:])
-    keep = q_valid.reshape(-1)
-    out.index_copy_(0, q_index.reshape(-1)[keep].to(device),
-                    o[keep.to(device)].to(out.dtype))
-    return out
+    plan = plan_speed_upper_attention(query_positions, query_start_loc, block_table, seq_lens,
+                                      prompt_lens, anchor_tokens, key_pages.shape[1],
+                                      query.device)
+    return run_speed_upper_attention(plan, query, key_pages, value_pages, scale)
 
 
 if HAS_TRITON:

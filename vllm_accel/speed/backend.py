@@ -11,7 +11,8 @@ group of their own with its own block table):
   those rows (``SpeedUpperMetadata.rows``), and :class:`SpeedImpl` writes their K/V into the
   upper group's pages (at their own slots: vLLM hands ``do_kv_cache_update`` one slot per
   token of the step) and attends over the visible keys only
-  (``kernels.speed_attention.speed_upper_attention``). The pages between the anchor and the
+  (``kernels.speed_attention``: planned once per step, at the first upper layer, run in
+  each). The pages between the anchor and the
   last prompt token are never written nor read (the block manager maps them to the null
   block).
 
@@ -32,7 +33,11 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, CPUAtte
 from vllm_accel.attention import step_requests
 from vllm_accel.attention.cpu_feature import CpuFeatureBackend, refuse_unsupported_attention
 from vllm_accel.kernels.block_sparse_attention import kv_cache_views_cpu
-from vllm_accel.kernels.speed_attention import speed_upper_attention
+from vllm_accel.kernels.speed_attention import (
+    SpeedUpperPlan,
+    plan_speed_upper_attention,
+    run_speed_upper_attention,
+)
 from vllm_accel.speed.kv_spec import SpeedUpperSpec
 from vllm_accel.speed.registration import NAME
 from vllm_accel.speed.rows import select_upper_rows
@@ -67,6 +72,7 @@ class SpeedUpperMetadata:
     block_table: torch.Tensor  # [R, max_pages] of the upper group
     slot_mapping: torch.Tensor  # [n] where their K/V go
     anchor_tokens: int
+    plan: SpeedUpperPlan | None = None  # the attention plan, made by the first upper layer
 
 
 def select_upper_tokens(cm: CommonAttentionMetadata, prompt_lens: torch.Tensor,
@@ -143,8 +149,10 @@ class SpeedImpl(CPUAttentionBackendImpl):
         if n == 0:
             return output
         k_pages, v_pages = kv_cache_views_cpu(kv_cache, isa=layer.isa)
-        out = speed_upper_attention(query[:n], meta.query_positions, meta.query_start_loc,
-                                    k_pages, v_pages, meta.block_table, meta.seq_lens,
-                                    meta.prompt_lens, meta.anchor_tokens, self.scale)
+        if meta.plan is None:
+            meta.plan = plan_speed_upper_attention(
+                meta.query_positions, meta.query_start_loc, meta.block_table, meta.seq_lens,
+                meta.prompt_lens, meta.anchor_tokens, k_pages.shape[1], query.device)
+        out = run_speed_upper_attention(meta.plan, query[:n], k_pages, v_pages, self.scale)
         output[:n].copy_(out.reshape(output[:n].shape))
         return output

@@ -145,6 +145,9 @@ class _SpeedMixin:
         if rows is None:
             for layer in upper:
                 hidden, residual = layer(positions, hidden, residual)
+        elif rows.numel() == hidden.shape[0]:  # every row (a decode-only step): no gather
+            for layer in upper:
+                hidden, residual = layer(positions, hidden, residual)
         elif rows.numel() > 0:
             rows = rows.to(hidden.device)
             h, r = hidden.index_select(0, rows), residual.index_select(0, rows)
