@@ -13,7 +13,9 @@ preempted ones stay).
 The patch: while the original builds the step's metadata, publish
 ``input_batch.num_prompt_tokens_cpu_tensor``, ``input_batch.req_ids`` and the keys of
 ``self.requests`` in :mod:`vllm_accel.attention.step_requests` (cleared afterwards). Nothing else
-changes. Applied on demand in the worker process, by the SPEED model and by the KIVI builder.
+changes. Applied on demand in the worker process, by the SPEED model, by the KIVI builder and
+by the chunk-reuse connector when it runs APE attention (which reads the row order in the
+forward).
 Upstream twin: ``patches/0008-attention-metadata-step-requests.patch`` (``num_prompt_tokens_cpu``,
 ``req_ids`` and ``live_req_ids`` fields of ``CommonAttentionMetadata``).
 """
