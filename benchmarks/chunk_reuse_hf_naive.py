@@ -1,4 +1,4 @@
-"""Naive and APE chunk reuse outside vLLM: does the model answer from assembled, re-rotated chunk KV?
+"""Naive and APE chunk reuse outside vLLM: does the model answer from assembled, re-rotated KV?
 
 Builds the plan of ``vllm-accel bench chunk-reuse`` (NUM_DOCUMENTS documents of ~512 tokens,
 QUESTIONS questions), stores each document's KV from its warm-up prompt (``prefix SEP doc SEP``:

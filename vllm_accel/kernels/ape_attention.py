@@ -32,7 +32,8 @@ the rows of requests that reuse chunks.
     >>> bool(torch.allclose(exact, causal_attention_reference(q, k, v, pos, 8 ** -0.5), atol=1e-5))
     True
     >>> sharp = ape_attention(q, k, v, pos, chunk, 8 ** -0.5, temperature=0.5, chunk_scale=0.9)
-    >>> bool(torch.allclose(sharp, ape_attention_reference(q, k, v, pos, chunk, 8 ** -0.5, 0.5, 0.9), atol=1e-5))
+    >>> want = ape_attention_reference(q, k, v, pos, chunk, 8 ** -0.5, 0.5, 0.9)
+    >>> bool(torch.allclose(sharp, want, atol=1e-5))
     True
 """
 
@@ -44,11 +45,12 @@ _QUERY_ROWS_PER_BLOCK = 256
 
 
 def _grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """``q [n, H, D]``, ``k/v [S, Hkv, D]`` -> ``q [Hkv, g*n, D]``, ``k/v [Hkv, S, D]`` (float32)."""
+    """``q [n, H, D]``, ``k/v [S, Hkv, D]`` -> ``q [Hkv, g*n, D]``, ``k/v [Hkv, S, D]``, float32."""
     n, num_heads, dim = q.shape
-    group = num_heads // k.shape[1]
-    qg = q.float().reshape(n, k.shape[1], group, dim).permute(1, 2, 0, 3)
-    return qg.reshape(k.shape[1], group * n, dim), k.float().transpose(0, 1), v.float().transpose(0, 1)
+    kv_heads = k.shape[1]
+    qg = q.float().reshape(n, kv_heads, num_heads // kv_heads, dim).permute(1, 2, 0, 3)
+    return (qg.reshape(kv_heads, -1, dim), k.float().transpose(0, 1),
+            v.float().transpose(0, 1))
 
 
 def _segment(logits: torch.Tensor, visible: torch.Tensor, values: torch.Tensor):

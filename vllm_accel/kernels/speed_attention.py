@@ -139,7 +139,7 @@ def run_speed_upper_attention(plan: SpeedUpperPlan | None, query: torch.Tensor, 
     if plan is None or query.shape[0] == 0:
         return out
     n, max_q = plan.num_reqs, plan.max_q
-    page_size, num_kv_heads, head_dim = key_pages.shape[1:4]
+    num_kv_heads, head_dim = key_pages.shape[2:4]
     k = key_pages.index_select(0, plan.pages).reshape(n, -1, num_kv_heads, head_dim)
     v = value_pages.index_select(0, plan.pages).reshape(n, -1, num_kv_heads, head_dim)
     k, v = k.masked_fill(plan.hidden, 0), v.masked_fill(plan.hidden, 0)

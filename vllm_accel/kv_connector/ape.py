@@ -134,7 +134,8 @@ def unsupported_reason(impl: Any) -> str | None:
 
 def install(layers: dict[str, Any], registry: ApeRegistry, cpu: bool) -> int:
     """Give every attention layer in ``layers`` (name -> vLLM ``Attention`` module) the APE
-    ``forward``; returns how many. Raises ``ValueError`` when a layer's attention cannot take APE."""
+    ``forward``; returns how many. Raises ``ValueError`` when a layer's attention cannot take
+    APE."""
     from vllm_accel._patches import attention_step_requests
 
     attention_step_requests.enable()

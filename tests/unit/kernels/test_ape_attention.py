@@ -34,7 +34,8 @@ def test_unit_temperature_and_scale_is_ordinary_causal_attention(heads, kv_heads
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("temperature,chunk_scale", [(0.5, 1.0), (0.7, 0.9), (1.0, 0.8), (0.3, 1.2)])
+@pytest.mark.parametrize("temperature,chunk_scale",
+                         [(0.5, 1.0), (0.7, 0.9), (1.0, 0.8), (0.3, 1.2)])
 def test_matches_the_definition(temperature, chunk_scale):
     q, k, v, positions, chunk = _case(seed=1)
     got = ape.ape_attention(q, k, v, positions, chunk, 0.25, temperature, chunk_scale)
