@@ -37,6 +37,7 @@ from typing import Any
 from vllm_accel import faults
 from vllm_accel.log import get_logger
 from vllm_accel.spec_decode.acceptance import Candidate, SourceRates, choose
+from vllm_accel.spec_decode.failsafe import LogOnce, drafts_or_none, drafts_without_batch
 from vllm_accel.spec_decode.recycling_proposer import RecyclingProposer
 from vllm_accel.spec_decode.sam_proposer import SAMProposer
 
@@ -69,7 +70,7 @@ class HybridProposer:
         self.knobs = self.sam.knobs
         self.rates = SourceRates(self.knobs.hybrid_ema_weight, dict(PRIOR_RATES))
         self._requests: dict[str, _RequestState] = {}
-        self._warned: set[str] = set()
+        self._once = LogOnce()
         #: Drafts chosen per source, and steps with no draft (for logs and tests).
         self.counts: dict[str, int] = dict.fromkeys((*SOURCES, "none"), 0)
         logger.info("HybridProposer: verify_cost=%.3f, ema_weight=%.2f, probe_every=%d",
@@ -87,22 +88,14 @@ class HybridProposer:
     def propose(self, sampled_token_ids: list[list[int]], *args: Any, **kwargs: Any
                 ) -> list[list[int]]:
         """vLLM's plain ``custom_class`` call, without request ids: no drafts; logged once."""
-        self._log_once("unpatched", "HybridProposer was called without the input batch (the "
-                       "proposer_input_batch runtime patch is not active in this process), so "
-                       "it drafts nothing; check the log for why the patch was not applied")
-        return [[] for _ in sampled_token_ids]
+        return drafts_without_batch("HybridProposer", self._once, len(sampled_token_ids))
 
     def propose_with_batch(self, num_speculative_tokens: int, input_batch: Any,
                            sampled_token_ids: list[list[int]]) -> list[list[int]]:
-        try:
-            return self._propose(num_speculative_tokens, input_batch, sampled_token_ids)
-        except Exception:
-            faults.record("proposer_errors")
-            self._log_once("error", "HybridProposer failed; this step gets no drafts (outputs "
-                           "are unaffected). Logged once; later failures are silent.",
-                           exc_info=True)
-            self._requests.clear()
-            return [[] for _ in sampled_token_ids]
+        return drafts_or_none(
+            "HybridProposer", self._once, len(sampled_token_ids),
+            lambda: self._propose(num_speculative_tokens, input_batch, sampled_token_ids),
+            on_error=self._requests.clear)
 
     # ------------------------------------------------------------------ choosing
 
@@ -163,8 +156,3 @@ class HybridProposer:
     def _forget_finished(self, req_id_to_index: dict[str, int]) -> None:
         for req_id in [r for r in self._requests if r not in req_id_to_index]:
             del self._requests[req_id]
-
-    def _log_once(self, key: str, message: str, exc_info: bool = False) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            logger.warning(message, exc_info=exc_info)

@@ -34,6 +34,7 @@ from typing import Any
 from vllm_accel import faults
 from vllm_accel.config import load_section
 from vllm_accel.log import get_logger
+from vllm_accel.spec_decode.failsafe import LogOnce, drafts_or_none
 from vllm_accel.spec_decode.knobs import MAX_DRAFT, SpecDecodeKnobs
 from vllm_accel.spec_decode.recycling_table import RecyclingTable
 from vllm_accel.spec_decode.runtime_patches import apply_patch, apply_sampling_fix
@@ -67,7 +68,7 @@ class RecyclingProposer:
             self.table = RecyclingTable(vocab_size, self.knobs.recycling_topk)
         if path is not None:
             atexit.register(self._save_table, path)
-        self._warned: set[str] = set()
+        self._once = LogOnce()
         self.logits_enabled = _enable_target_logits() if enable_patch else False
         logger.info("RecyclingProposer: num_speculative_tokens=%d, vocab=%d, topk=%d, "
                     "max_draft=%d", k, vocab_size, self.knobs.recycling_topk,
@@ -88,9 +89,9 @@ class RecyclingProposer:
             topk = torch.topk(logits, k, dim=-1).indices
             self.table.update(token_ids.cpu().numpy(), topk.cpu().numpy())
         except Exception:
-            self._fail_once("observe", "RecyclingProposer could not record the target's "
-                            "logits; this step does not update the table (outputs are "
-                            "unaffected). Logged once.")
+            self._once.error("observe", "RecyclingProposer could not record the target's "
+                             "logits; this step does not update the table (outputs are "
+                             "unaffected). Logged once.")
 
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: Any,
                 *args: Any, **kwargs: Any) -> list[list[int]]:
@@ -110,14 +111,9 @@ class RecyclingProposer:
     def propose_rows(self, num_speculative_tokens: int, sampled_token_ids: list[list[int]],
                      num_tokens_no_spec: Any) -> list[list[int]]:
         """Drafts for each row (``[]`` where nothing was sampled); never raises."""
-        try:
-            return self._propose(num_speculative_tokens, sampled_token_ids, num_tokens_no_spec)
-        except Exception:
-            faults.record("proposer_errors")
-            self._fail_once("propose", "RecyclingProposer failed; this step gets no drafts "
-                            "(outputs are unaffected). Logged once; later failures are "
-                            "silent.")
-            return [[] for _ in sampled_token_ids]
+        return drafts_or_none(
+            "RecyclingProposer", self._once, len(sampled_token_ids),
+            lambda: self._propose(num_speculative_tokens, sampled_token_ids, num_tokens_no_spec))
 
     def _propose(self, num_speculative_tokens: int, sampled_token_ids: list[list[int]],
                  num_tokens_no_spec: Any) -> list[list[int]]:
@@ -140,10 +136,6 @@ class RecyclingProposer:
         except Exception as exc:  # at exit: say why, never raise
             logger.warning("RecyclingProposer: could not save the table to %s (%s)", path, exc)
 
-    def _fail_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            logger.exception(message)
 
 
 def _enable_target_logits() -> bool:

@@ -39,6 +39,7 @@ from vllm_accel import faults
 from vllm_accel.config import load_section
 from vllm_accel.log import get_logger
 from vllm_accel.spec_decode import datastore as datastore_mod
+from vllm_accel.spec_decode.failsafe import LogOnce, drafts_or_none, drafts_without_batch
 from vllm_accel.spec_decode.knobs import SpecDecodeKnobs
 from vllm_accel.spec_decode.suffix_automaton import SuffixAutomaton, SuffixAutomatonMatcher
 
@@ -87,7 +88,7 @@ class SAMProposer:
             logger.info("SAMProposer: datastore %s (%d tokens, %d states)",
                         self.knobs.datastore, self.corpus.num_tokens, self.corpus.num_states)
         self._requests: dict[str, _RequestState] = {}
-        self._warned: set[str] = set()
+        self._once = LogOnce()
         self.batch_api_enabled = _enable_batch_api()
         logger.info("SAMProposer: num_speculative_tokens=%d, %s", k, self.knobs)
 
@@ -100,24 +101,15 @@ class SAMProposer:
                 ) -> list[list[int]]:
         """vLLM's plain ``custom_class`` call, without request ids: no drafts (see the module
         docstring); logged once."""
-        self._warn_once("unpatched", "SAMProposer was called without the input batch (the "
-                        "proposer_input_batch runtime patch is not active in this process), so "
-                        "it drafts nothing; check the log for why the patch was not applied")
-        return [[] for _ in sampled_token_ids]
+        return drafts_without_batch("SAMProposer", self._once, len(sampled_token_ids))
 
     def propose_with_batch(self, num_speculative_tokens: int, input_batch: Any,
                            sampled_token_ids: list[list[int]]) -> list[list[int]]:
         """Drafts for every row of ``input_batch`` (``[]`` for rows that sampled nothing)."""
-        try:
-            return self._propose(num_speculative_tokens, input_batch, sampled_token_ids)
-        except Exception:
-            faults.record("proposer_errors")
-            if "error" not in self._warned:
-                self._warned.add("error")
-                logger.exception("SAMProposer failed; this step gets no drafts (outputs are "
-                                 "unaffected). Logged once; later failures are silent.")
-            self._requests.clear()  # rebuilt from the batch next step
-            return [[] for _ in sampled_token_ids]
+        return drafts_or_none(
+            "SAMProposer", self._once, len(sampled_token_ids),
+            lambda: self._propose(num_speculative_tokens, input_batch, sampled_token_ids),
+            on_error=self._requests.clear)  # rebuilt from the batch next step
 
     # ------------------------------------------------------------------ drafting
 
@@ -184,11 +176,6 @@ class SAMProposer:
         gone = [req_id for req_id in self._requests if req_id not in req_id_to_index]
         for req_id in gone:
             del self._requests[req_id]
-
-    def _warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            logger.warning(message)
 
 
 def _model_tokenizer_identity(model_config: Any) -> datastore_mod.TokenizerIdentity:
