@@ -18,8 +18,9 @@ segment's logits divided by the temperature ``T`` and its log-sum-exp multiplied
 
 where ``s = scale * q . k`` over the causally visible keys. ``T < 1`` sharpens attention inside
 the chunks; ``T * lse_C(T)`` tends to the chunk segment's largest logit, so the segment keeps the
-weight its best match deserves, and ``S`` scales that log-weight (APE tunes both per model). ``T = S = 1`` is
-exactly ordinary causal attention (the merge of two softmaxes by their log-sum-exp).
+weight its best match deserves, and ``S`` scales that log-weight (APE tunes both per model).
+``T = S = 1`` is exactly ordinary causal attention (the merge of two softmaxes by their
+log-sum-exp).
 
 Plain torch (no vLLM): the connector's attention adapter (``kv_connector/ape.py``) calls it for
 the rows of requests that reuse chunks.

@@ -21,6 +21,7 @@ steps of those requests pay it too).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -72,10 +73,9 @@ class _ApeForward:
     attribute: the impl's class, its ``isinstance`` checks and every other attribute stay
     vLLM's)."""
 
-    def __init__(self, impl: Any, registry: ApeRegistry, cpu: bool):
+    def __init__(self, impl: Any, registry: ApeRegistry, pages: Callable[[], PagedLayerKV]):
         self.impl, self.inner = impl, impl.forward
-        self.registry, self.cpu = registry, cpu
-        self.pages: PagedLayerKV | None = None
+        self.registry, self.pages = registry, pages
 
     def __call__(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  kv_cache: torch.Tensor, attn_metadata: Any, output: torch.Tensor | None = None,
@@ -94,7 +94,7 @@ class _ApeForward:
             if mask is None:
                 continue
             lo, hi, num_keys = starts[i], starts[i + 1], seq_lens[i]
-            keys, values = self._pages(layer, kv_cache).read(
+            keys, values = self.pages().read(
                 attn_metadata.block_table[i].long(), torch.arange(num_keys, device=query.device))
             q_positions = torch.arange(num_keys - (hi - lo), num_keys, device=query.device)
             out[lo:hi] = ape_attention(query[lo:hi].view(hi - lo, -1, query.shape[-1]), keys,
@@ -104,19 +104,6 @@ class _ApeForward:
             self.registry.token_layers += hi - lo
         return result
 
-    def _pages(self, layer: Any, kv_cache: torch.Tensor) -> PagedLayerKV:
-        if self.pages is None:
-            isa = getattr(layer, "isa", "vec") if self.cpu else None
-            self.pages = PagedLayerKV(kv_cache, kv_cache_block_size(kv_cache, isa), isa)
-        return self.pages
-
-
-def kv_cache_block_size(kv_cache: torch.Tensor, cpu_isa: str | None) -> int:
-    """Tokens per page of a CPU (``[blocks, H, page, 2D]``) or CUDA (``[blocks, page, H, 2D]``
-    or ``[2, blocks, page, H, D]``) KV cache."""
-    if cpu_isa is not None:
-        return kv_cache.shape[2]
-    return kv_cache.shape[2] if kv_cache.shape[0] == 2 else kv_cache.shape[1]
 
 
 def unsupported_reason(impl: Any) -> str | None:
@@ -132,10 +119,11 @@ def unsupported_reason(impl: Any) -> str | None:
     return None
 
 
-def install(layers: dict[str, Any], registry: ApeRegistry, cpu: bool) -> int:
+def install(layers: dict[str, Any], registry: ApeRegistry,
+            pages_of: Callable[[str], PagedLayerKV]) -> int:
     """Give every attention layer in ``layers`` (name -> vLLM ``Attention`` module) the APE
-    ``forward``; returns how many. Raises ``ValueError`` when a layer's attention cannot take
-    APE."""
+    ``forward``, reading the layer's pages through ``pages_of(name)`` (the connector's views);
+    returns how many. Raises ``ValueError`` when a layer's attention cannot take APE."""
     from vllm_accel._patches import attention_step_requests
 
     attention_step_requests.enable()
@@ -146,5 +134,5 @@ def install(layers: dict[str, Any], registry: ApeRegistry, cpu: bool) -> int:
         reason = unsupported_reason(impl)
         if reason is not None:
             raise ValueError(f"layer {name}: {reason}")
-        impl.forward = _ApeForward(impl, registry, cpu)
+        impl.forward = _ApeForward(impl, registry, lambda name=name: pages_of(name))
     return len(layers)

@@ -148,7 +148,7 @@ class ChunkReuseConnector(KVConnectorBase_V1, SupportsHMA):
             raise ValueError(f"{knob('stores')}: {exc}") from None
         self.counters = ReuseCounters(role.name.lower(), self.config.log_interval_s)
         self._requests: dict[str, _RequestState] = {}
-        self._layers: list[PagedLayerKV] | None = None
+        self._layers: dict[str, PagedLayerKV] | None = None  # by name, in layer order
         self._ape: ape.ApeRegistry | None = None
         self._kv_caches: dict[str, torch.Tensor] = {}
         # Scheduler: chunk keys the workers saved (their memory tier is in their process).
@@ -305,14 +305,12 @@ class ChunkReuseConnector(KVConnectorBase_V1, SupportsHMA):
             self._install_ape()
 
     def _install_ape(self) -> None:
-        from vllm.platforms import current_platform
-
         context = self._vllm_config.compilation_config.static_forward_context
         registry = ape.ApeRegistry(self.config.attention_temperature,
                                    self.config.attention_scale)
         try:
             count = ape.install({n: context[n] for n in self._kv_caches}, registry,
-                                current_platform.is_cpu())
+                                lambda name: self._paged_by_name()[name])
         except ValueError as exc:
             raise ValueError(f"{knob('attention_temperature')}/{knob('attention_scale')}: APE "
                              f"attention cannot run on this model: {exc}") from None
@@ -331,6 +329,11 @@ class ChunkReuseConnector(KVConnectorBase_V1, SupportsHMA):
         return None, None
 
     def _paged_layers(self) -> list[PagedLayerKV]:
+        return list(self._paged_by_name().values())
+
+    def _paged_by_name(self) -> dict[str, PagedLayerKV]:
+        """K/V views of every layer's pages, in layer order (made at first use: on CPU the
+        page layout follows the ISA the attention builder sets on each layer)."""
         if self._layers is None:
             from vllm.model_executor.models.utils import extract_layer_index
             from vllm.platforms import current_platform
@@ -338,10 +341,10 @@ class ChunkReuseConnector(KVConnectorBase_V1, SupportsHMA):
             context = self._vllm_config.compilation_config.static_forward_context
             names = sorted(self._kv_caches, key=extract_layer_index)
             cpu = current_platform.is_cpu()
-            self._layers = [
-                PagedLayerKV(self._kv_caches[n], self.block_size,
-                             getattr(context.get(n), "isa", "vec") if cpu else None)
-                for n in names]
+            self._layers = {
+                n: PagedLayerKV(self._kv_caches[n], self.block_size,
+                                getattr(context.get(n), "isa", "vec") if cpu else None)
+                for n in names}
         return self._layers
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:

@@ -142,10 +142,8 @@ class _SpeedMixin:
             hidden, residual = layer(positions, hidden, residual)
         upper = model.layers[self.speed_num_lower:]
         rows = self._upper_rows()
-        if rows is None:
-            for layer in upper:
-                hidden, residual = layer(positions, hidden, residual)
-        elif rows.numel() == hidden.shape[0]:  # every row (a decode-only step): no gather
+        # None: warm-up/profiling; every row (a decode-only step): no gather either
+        if rows is None or rows.numel() == hidden.shape[0]:
             for layer in upper:
                 hidden, residual = layer(positions, hidden, residual)
         elif rows.numel() > 0:

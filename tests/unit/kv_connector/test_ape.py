@@ -32,8 +32,6 @@ class _Impl:
 
 
 class _Layer:
-    isa = "plain"
-
     def __init__(self, impl):
         self.impl = impl
 
@@ -70,9 +68,10 @@ def test_registered_rows_get_ape_and_the_others_are_untouched(batch, monkeypatch
     registry = ape.ApeRegistry(temperature=0.5, chunk_scale=0.9)
     impl = _Impl()
     monkeypatch.setattr("vllm_accel._patches.attention_step_requests.enable", lambda: None)
-    assert ape.install({"layer.0": _Layer(impl)}, registry, cpu=True) == 1
+    pages_of = {"layer.0": PagedLayerKV(kv_cache, PAGE, "plain")}.__getitem__
+    assert ape.install({"layer.0": _Layer(impl)}, registry, pages_of) == 1
     assert type(impl) is _Impl and isinstance(impl.forward, ape._ApeForward)
-    assert ape.install({"layer.0": _Layer(impl)}, registry, cpu=True) == 1  # not twice
+    assert ape.install({"layer.0": _Layer(impl)}, registry, pages_of) == 1  # not twice
     assert impl.forward.inner.__func__ is _Impl.forward
     torch.testing.assert_close(_run(impl, kv_cache, meta, query), plain)  # nothing registered
     registry.record("a", [2, 3, 4, 5, 6], length=9)
@@ -93,7 +92,7 @@ def test_unsupported_attention_is_refused(monkeypatch):
     monkeypatch.setattr("vllm_accel._patches.attention_step_requests.enable", lambda: None)
     with pytest.raises(ValueError, match="sliding window"):
         ape.install({"layer.0": _Layer(_Impl(sliding_window=(128, 0)))},
-                    ape.ApeRegistry(0.5, 1.0), cpu=True)
+                    ape.ApeRegistry(0.5, 1.0), lambda name: None)
 
 
 def test_knobs():
