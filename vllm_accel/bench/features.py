@@ -42,6 +42,11 @@ class BenchPlan:
     retrieval_kinds: tuple[str, ...] = ("multikey", "multivalue")
     #: Also run the feature's extra quality-only sides (``FeatureBench.extra_sides``).
     extra_sides: bool = False
+    #: Run the baseline and accelerated engines this many times in turn (B A B A ...), each
+    #: round timing the latency prompts again, so slow drift in a shared machine's speed falls
+    #: on both sides; the other tasks run in the first round only. Latency medians pool every
+    #: round, and ``ratios_by_round`` in the JSON shows the spread between rounds.
+    rounds: int = 1
 
     def check(self) -> None:
         """Raise ValueError naming the field when a value is not one the harness knows."""
@@ -49,6 +54,8 @@ class BenchPlan:
         if unknown:
             raise ValueError(f"bench --set tasks: unknown {sorted(unknown)}; choose from "
                              f"{', '.join(ALL_TASKS)}")
+        if self.rounds < 1:
+            raise ValueError("bench --set rounds: must be >= 1")
 
 
 @dataclass(frozen=True)

@@ -175,6 +175,16 @@ def compare(base: dict[str, Any], accel: dict[str, Any], base_raw: dict[str, Any
     return ratios, quality
 
 
+def round_ratios(base_raw: dict[str, Any], accel_raw: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """TTFT and TPOT speedups per prompt length of one round (one baseline and one accelerated
+    engine run)."""
+    if "latency" not in base_raw["tasks"]:
+        return {}
+    b, a = _by_length(base_raw["tasks"]["latency"]), _by_length(accel_raw["tasks"]["latency"])
+    return {n: {"ttft_speedup": _ratio(b[n]["ttft_s"], a[n]["ttft_s"]),
+                "tpot_speedup": _ratio(b[n]["tpot_s"], a[n]["tpot_s"])} for n in b if n in a}
+
+
 def with_stats_path(engine: dict[str, Any], section: str, path: Path) -> dict[str, Any]:
     """``engine`` with ``additional_config.vllm_accel.<section>.stats_path = path``."""
     engine = copy.deepcopy(engine)
@@ -206,22 +216,37 @@ def run_feature(feature: FeatureBench, plan: BenchPlan, model_dir: str, model_na
     sides = {}
     raw = {}
 
-    def run(label: str, extra: dict[str, Any], tasks: list[dict[str, Any]]) -> None:
+    def run(label: str, extra: dict[str, Any], tasks: list[dict[str, Any]],
+            run_name: str | None = None) -> dict[str, Any]:
+        run_name = run_name or label
         engine = engine_settings(model_dir, work.max_model_len, gpu_memory_utilization, extra)
         if feature.finish_engine is not None:
             engine = feature.finish_engine(engine)
         stats_file = None
         if feature.stats_section:
-            stats_file = log_dir / f"{label}.stats.jsonl"
+            stats_file = log_dir / f"{run_name}.stats.jsonl"
             stats_file.parent.mkdir(parents=True, exist_ok=True)
             stats_file.unlink(missing_ok=True)
             engine = with_stats_path(engine, feature.stats_section, stats_file)
-        raw[label] = run_side(label, engine, tasks, timeout_s, log_dir,
-                              stats_file=str(stats_file) if stats_file else None)
+        result = run_side(run_name, engine, tasks, timeout_s, log_dir,
+                          stats_file=str(stats_file) if stats_file else None)
+        if label not in raw:
+            raw[label] = result
+        else:  # a later round: pool its latency records with the first round's
+            raw[label]["tasks"]["latency"] += result["tasks"]["latency"]
         sides[label] = {"engine": engine, **summarize(raw[label], work)}
+        return result
 
-    for label, extra in (("baseline", feature.baseline), ("accelerated", feature.accelerated)):
-        run(label, extra, work.tasks)
+    pair = (("baseline", feature.baseline), ("accelerated", feature.accelerated))
+    latency_tasks = [t for t in work.tasks if t["name"] == "latency"]
+    by_round = []
+    for index in range(plan.rounds):
+        tasks = work.tasks if index == 0 else latency_tasks
+        if not tasks:
+            break
+        results = {label: run(label, extra, tasks, f"{label}.round{index + 1}" if index else None)
+                   for label, extra in pair}
+        by_round.append(round_ratios(results["baseline"], results["accelerated"]))
     ratios, quality = compare(sides["baseline"], sides["accelerated"], raw["baseline"],
                               raw["accelerated"])
     if feature.extra_report is not None:
@@ -247,6 +272,7 @@ def run_feature(feature: FeatureBench, plan: BenchPlan, model_dir: str, model_na
         "accelerated": sides["accelerated"],
         **({"extra_sides": {k: sides[k] for k in extra_sides}} if extra_sides else {}),
         "ratios": ratios,
+        **({"ratios_by_round": by_round} if plan.rounds > 1 else {}),
         "quality": quality,
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "load_average": {"before": load_before, "after": os.getloadavg()[0]},

@@ -78,6 +78,10 @@ def table(result: dict[str, Any]) -> str:
             f"{result['platform'].get('device', '?')}, {result['platform'].get('cpus', '?')} cpus)")
     summary = ", ".join(f"{k}={v:.3g}" for k, v in r.items() if isinstance(v, float))
     lines = [head, *lines, f"ratios: {summary}"]
+    for n in base["by_prompt_length"] if "ratios_by_round" in result else ():
+        per_round = [r.get(n) or r.get(str(n)) or {} for r in result["ratios_by_round"]]
+        lines.append(f"by round @ {n} tok (TTFT, TPOT speedup): " + "; ".join(
+            f"{_fmt(r.get('ttft_speedup'))}, {_fmt(r.get('tpot_speedup'))}" for r in per_round))
     load = result.get("load_average", {})
     # "after" includes the engines' own threads (≈ the core count); only "before" tells of
     # other processes (the 1-minute average also remembers the last minute's work)
