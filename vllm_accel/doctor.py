@@ -59,8 +59,8 @@ def platform_checks() -> tuple[str, list[Check]]:
         checks.append(Check("plugin", False, plugin.inactive_reason() or ""))
     for info in BACKENDS.values():
         try:
-            cls = importlib.import_module(info.class_path.rsplit(".", 1)[0])
-            getattr(cls, info.class_path.rsplit(".", 1)[1])
+            path = info.class_path_for(current_platform.is_cpu())
+            getattr(importlib.import_module(path.rsplit(".", 1)[0]), path.rsplit(".", 1)[1])
             checks.append(Check(f"backend {info.name}", True,
                                 f"--attention-backend {info.name}: {info.summary}"))
         except Exception as exc:  # noqa: BLE001 (report any import failure)

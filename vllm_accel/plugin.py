@@ -75,7 +75,7 @@ def register() -> None:
         return
     for info in BACKENDS.values():
         if info.name not in AttentionBackendEnum.__members__:
-            register_backend(info.name, info.class_path)
+            register_backend(info.name, info.class_path_for(current_platform.is_cpu()))
     from vllm_accel.speed import registration as speed_registration
 
     try:

@@ -49,12 +49,17 @@ class CpuFeatureBackend(CPUAttentionBackend):
 
 def refuse_unsupported_attention(impl, backend_name: str, what_for: str) -> None:
     """Raise at start-up if the layer's attention uses a feature the backend's kernel lacks."""
+    # CPU impls say "no window" with -1, vLLM's CUDA impls with (-1, -1)
+    window = getattr(impl, "sliding_window", None)
+    fp8 = getattr(impl, "is_fp8_kv_cache", None)
+    if fp8 is None:
+        fp8 = str(getattr(impl, "kv_cache_dtype", "auto")).startswith("fp8")
     unsupported = [what for what, present in (
         ("ALiBi", impl.alibi_slopes is not None),
-        ("a sliding window", impl.sliding_window != -1),
+        ("a sliding window", window not in (None, -1, (-1, -1))),
         ("logits soft-capping", bool(impl.logits_soft_cap)),
-        ("attention sinks", impl.sinks is not None),
-        ("an fp8 KV cache", impl.is_fp8_kv_cache),
+        ("attention sinks", getattr(impl, "sinks", None) is not None),
+        ("an fp8 KV cache", fp8),
         (f"attention type {impl.attn_type}", impl.attn_type != AttentionType.DECODER),
     ) if present]
     if unsupported:

@@ -15,6 +15,11 @@ class BackendInfo:
     name: str
     class_path: str
     summary: str
+    #: The class on CUDA when it differs from ``class_path`` (the CPU one).
+    cuda_class_path: str | None = None
+
+    def class_path_for(self, platform_is_cpu: bool) -> str:
+        return self.class_path if platform_is_cpu else self.cuda_class_path or self.class_path
 
 
 BACKENDS: dict[str, BackendInfo] = {
@@ -36,8 +41,9 @@ BACKENDS: dict[str, BackendInfo] = {
             "ACCEL_SPEED",
             "vllm_accel.speed.backend.SpeedBackend",
             "SPEED (shallow prefill, deep decode): prompt tokens run only the lower layers, the "
-            "upper layers keep KV for an anchor and the decode tokens (CPU; Llama/Qwen2; knobs: "
-            "vllm_accel.speed)",
+            "upper layers keep KV for an anchor and the decode tokens (CPU; CUDA: written, not "
+            "yet run on a GPU; Llama/Qwen2; knobs: vllm_accel.speed)",
+            cuda_class_path="vllm_accel.speed.backend_cuda.SpeedCudaBackend",
         ),
         BackendInfo(
             "ACCEL_KIVI_4BIT",

@@ -281,39 +281,66 @@ if HAS_TRITON:
                      (acc / l_i[:, None]).to(O.dtype.element_ty), mask=q_mask)
 
 
-def _speed_upper_attention_triton(query, query_positions, query_start_loc, key_pages,
-                                  value_pages, block_table, seq_lens, prompt_lens,
-                                  anchor_tokens, scale, block_m=16, block_n=32):
-    """Triton launch of :func:`speed_upper_attention` (strided ``[pages, page_size, H_kv, D]``
-    views; ``block_n`` keys per step, ``block_m`` query rows per tile, both powers of 2 >= 16)."""
+@dataclass
+class SpeedTritonPlan:
+    """The step's metadata as device ``int32`` tensors for the Triton kernel: made once per
+    step (:func:`plan_speed_upper_triton`), read by every upper layer
+    (:func:`run_speed_upper_triton`)."""
+
+    query_positions: torch.Tensor  # [T]
+    query_start_loc: torch.Tensor  # [R + 1]
+    block_table: torch.Tensor  # [R, max_pages]
+    seq_lens: torch.Tensor  # [R]
+    prompt_lens: torch.Tensor  # [R]
+    anchor_tokens: int
+
+
+def plan_speed_upper_triton(query_positions, query_start_loc, block_table, seq_lens,
+                            prompt_lens, anchor_tokens: int,
+                            device: torch.device) -> SpeedTritonPlan:
+    def ints(values):
+        return torch.as_tensor(values, dtype=torch.int32).to(device)
+
+    return SpeedTritonPlan(ints(query_positions), ints(query_start_loc),
+                           block_table.to(device=device, dtype=torch.int32), ints(seq_lens),
+                           ints(prompt_lens), int(anchor_tokens))
+
+
+def run_speed_upper_triton(plan: SpeedTritonPlan, query: torch.Tensor, key_pages, value_pages,
+                           scale: float, block_m: int = 16, block_n: int = 32) -> torch.Tensor:
+    """One layer's upper attention, Triton (strided ``[pages, page_size, H_kv, D]`` views;
+    ``block_n`` keys per step, ``block_m`` query rows per tile, both powers of 2 >= 16)."""
     if not (isinstance(key_pages, torch.Tensor) and isinstance(value_pages, torch.Tensor)):
         raise TypeError("the Triton path needs strided K/V page views (packed CPU pages: torch)")
     out = torch.empty_like(query)
-    num_reqs = len(seq_lens)
+    num_reqs = plan.seq_lens.numel()
     if query.shape[0] == 0 or num_reqs == 0:
         return out
     num_q_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, page_size = key_pages.shape[2], key_pages.shape[1]
     if num_q_heads % num_kv_heads:
         raise ValueError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads}")
-    device = query.device
-
-    def ints(values):
-        return torch.as_tensor(values, dtype=torch.int32).to(device)
-
-    table = block_table.to(device=device, dtype=torch.int32)
-    grid = (num_q_heads, num_reqs)
-    _speed_upper_attention_kernel[grid](
+    table = plan.block_table
+    _speed_upper_attention_kernel[(num_q_heads, num_reqs)](
         query, key_pages, value_pages, out,
-        ints(query_positions), ints(query_start_loc), table, ints(seq_lens), ints(prompt_lens),
+        plan.query_positions, plan.query_start_loc, table, plan.seq_lens, plan.prompt_lens,
         *query.stride(), *key_pages.stride(), *value_pages.stride(), *out.stride(),
-        table.stride(0), int(anchor_tokens), scale * 1.4426950408889634,
+        table.stride(0), plan.anchor_tokens, scale * 1.4426950408889634,
         KV_GROUP=num_q_heads // num_kv_heads, PAGE_SIZE=page_size,
         BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=max(next_power_of_2(head_dim), 16), HEAD_DIM=head_dim,
         DOT_F32=query.dtype == torch.float32 or triton_interpreter_enabled(),
     )
     return out
+
+
+def _speed_upper_attention_triton(query, query_positions, query_start_loc, key_pages,
+                                  value_pages, block_table, seq_lens, prompt_lens,
+                                  anchor_tokens, scale, block_m=16, block_n=32):
+    """Triton path of :func:`speed_upper_attention`: plan, then run."""
+    plan = plan_speed_upper_triton(query_positions, query_start_loc, block_table, seq_lens,
+                                   prompt_lens, anchor_tokens, query.device)
+    return run_speed_upper_triton(plan, query, key_pages, value_pages, scale, block_m, block_n)
 
 
 def speed_upper_attention_reference(

@@ -1,4 +1,5 @@
-"""``ACCEL_SPEED``: the attention backend of SPEED (shallow prefill, deep decode) on CPU.
+"""``ACCEL_SPEED``: the attention backend of SPEED (shallow prefill, deep decode) on CPU, and the
+Builder/Impl roles its CUDA classes share (:mod:`vllm_accel.speed.backend_cuda`).
 
 One backend serves both KV-cache groups of a SPEED model (:mod:`vllm_accel.speed.model` gives
 the upper layers a :class:`~vllm_accel.speed.kv_spec.SpeedUpperSpec`, so vLLM makes them a
@@ -23,6 +24,7 @@ Per-request prompt lengths come from :mod:`vllm_accel.attention.step_requests` (
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from vllm.config import VllmConfig
@@ -34,7 +36,6 @@ from vllm_accel.attention import step_requests
 from vllm_accel.attention.cpu_feature import CpuFeatureBackend, refuse_unsupported_attention
 from vllm_accel.kernels.block_sparse_attention import kv_cache_views_cpu
 from vllm_accel.kernels.speed_attention import (
-    SpeedUpperPlan,
     plan_speed_upper_attention,
     run_speed_upper_attention,
 )
@@ -72,7 +73,8 @@ class SpeedUpperMetadata:
     block_table: torch.Tensor  # [R, max_pages] of the upper group
     slot_mapping: torch.Tensor  # [n] where their K/V go
     anchor_tokens: int
-    plan: SpeedUpperPlan | None = None  # the attention plan, made by the first upper layer
+    #: the attention plan, made by the first upper layer (its type is the platform kernel's)
+    plan: Any = None
 
 
 def select_upper_tokens(cm: CommonAttentionMetadata, prompt_lens: torch.Tensor,
@@ -100,8 +102,9 @@ def select_upper_tokens(cm: CommonAttentionMetadata, prompt_lens: torch.Tensor,
     )
 
 
-class SpeedMetadataBuilder(CPUAttentionMetadataBuilder):
-    """vLLM's CPU metadata for the lower group; :class:`SpeedUpperMetadata` for the upper."""
+class SpeedBuilderMixin:
+    """The dense builder for the lower group; :class:`SpeedUpperMetadata` for the upper group
+    (mixed into the platform's dense builder: CPU here, FlashAttention/Triton on CUDA)."""
 
     def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config: VllmConfig,
                  device: torch.device) -> None:
@@ -119,8 +122,9 @@ class SpeedMetadataBuilder(CPUAttentionMetadataBuilder):
                                    self.anchor_tokens)
 
 
-class SpeedImpl(CPUAttentionBackendImpl):
-    """vLLM's CPU kernel in the lower layers; the visible-keys kernel in the upper layers."""
+class SpeedImplMixin:
+    """The dense Impl in the lower layers; in the upper layers the K/V write of the
+    upper-active rows and :meth:`upper_attention` (the platform's visible-keys kernel)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -144,15 +148,29 @@ class SpeedImpl(CPUAttentionBackendImpl):
                                    output_scale, output_block_scale)
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError(f"{NAME}: fused output quantization is not supported")
-        meta = attn_metadata
-        n = meta.num_actual_tokens
+        n = attn_metadata.num_actual_tokens
         if n == 0:
             return output
+        out = self.upper_attention(layer, query[:n], kv_cache, attn_metadata)
+        output[:n].copy_(out.reshape(output[:n].shape))
+        return output
+
+    def upper_attention(self, layer, query: torch.Tensor, kv_cache: torch.Tensor,
+                        meta: SpeedUpperMetadata) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class SpeedMetadataBuilder(SpeedBuilderMixin, CPUAttentionMetadataBuilder):
+    """vLLM's CPU metadata for the lower group; :class:`SpeedUpperMetadata` for the upper."""
+
+
+class SpeedImpl(SpeedImplMixin, CPUAttentionBackendImpl):
+    """vLLM's CPU kernel in the lower layers; the visible-keys kernel in the upper layers."""
+
+    def upper_attention(self, layer, query, kv_cache, meta):
         k_pages, v_pages = kv_cache_views_cpu(kv_cache, isa=layer.isa)
         if meta.plan is None:
             meta.plan = plan_speed_upper_attention(
                 meta.query_positions, meta.query_start_loc, meta.block_table, meta.seq_lens,
                 meta.prompt_lens, meta.anchor_tokens, k_pages.shape[1], query.device)
-        out = run_speed_upper_attention(meta.plan, query[:n], k_pages, v_pages, self.scale)
-        output[:n].copy_(out.reshape(output[:n].shape))
-        return output
+        return run_speed_upper_attention(meta.plan, query, k_pages, v_pages, self.scale)
