@@ -9,9 +9,10 @@ One run starts one engine per side, in turn (each in its own process, see
 * ``prefix_cache`` — vLLM's automatic prefix caching (reuses only a prompt's exact prefix);
 * ``naive``        — ``ChunkReuseConnector`` with ``recompute=none`` (chunks re-rotated, nothing
   recomputed);
-* ``epic``         — the connector's default policy (the first ``epic_tokens`` of every reused
-  chunk recomputed);
-* ``cacheblend``   — the connector with CacheBlend's selective recompute (``recompute_ratio``);
+* ``epic``         — the connector with EPIC's recompute (the first ``epic_tokens`` of every
+  reused chunk);
+* ``cacheblend``   — the connector's default policy, CacheBlend's selective recompute
+  (``recompute_ratio``);
 * ``ape``, ``epic_ape`` — ``naive`` / ``epic`` plus APE's attention temperature and scale
   (``attention_temperature``, ``attention_scale``) for the question over the reused chunks.
 
@@ -45,13 +46,14 @@ from typing import Any
 from vllm_accel.bench import chunk_reuse_workload as workload_mod
 from vllm_accel.bench.harness import engine_settings, run_side
 from vllm_accel.bench.report import save_figure
+from vllm_accel.kv_connector.config import ChunkReuseConfig
 
 #: Connector sides: the ``recompute`` policy each runs, and whether it adds APE attention.
 CONNECTOR_SIDES = {"naive": ("none", False), "epic": ("epic", False),
                    "cacheblend": ("cacheblend", False), "ape": ("none", True),
                    "epic_ape": ("epic", True)}
 ALL_SIDES = ("full", "prefix_cache", *CONNECTOR_SIDES)
-DEFAULT_POLICY = "epic"
+DEFAULT_POLICY = ChunkReuseConfig().recompute  # the side that runs the default policy
 CONNECTOR = {"kv_connector": "ChunkReuseConnector",
              "kv_connector_module_path": "vllm_accel.kv_connector", "kv_role": "kv_both"}
 _COUNTERS = re.compile(r"chunk reuse \((worker|scheduler)\): ([^;\n]*)")

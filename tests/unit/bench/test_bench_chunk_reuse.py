@@ -149,15 +149,15 @@ def _decode(ids: list[int]) -> str:
 def test_ratios_quality_table_and_plot(tmp_path):
     _, work = _build()
     eos = frozenset({0})
-    epic_counters = chunk_reuse.connector_counters(LOG)
+    blend_counters = chunk_reuse.connector_counters(LOG)
     sides = {
         "full": chunk_reuse.summarize_side(_fake_raw(work, 2.0, True), work, _decode, eos),
         "prefix_cache": chunk_reuse.summarize_side(_fake_raw(work, 1.6, True, 512), work,
                                                    _decode, eos),
         "naive": chunk_reuse.summarize_side(_fake_raw(work, 0.4, False), work, _decode, eos,
                                             {"scheduler": {"reused_requests": 10}}),
-        "epic": chunk_reuse.summarize_side(_fake_raw(work, 0.5, True), work, _decode, eos,
-                                           epic_counters),
+        "cacheblend": chunk_reuse.summarize_side(_fake_raw(work, 0.5, True), work, _decode, eos,
+                                                 blend_counters),
     }
     # tokens after EOS (98) are not part of the answer
     assert all("98" not in a["output"] for a in sides["full"]["answers"])
@@ -169,8 +169,8 @@ def test_ratios_quality_table_and_plot(tmp_path):
     assert ratios["ttft_speedup"] == pytest.approx(4.0)
     assert ratios["ttft_speedup_by_side"] == {"prefix_cache": pytest.approx(1.25),
                                               "naive": pytest.approx(5.0),
-                                              "epic": pytest.approx(4.0)}
-    assert ratios["ttft_speedup_by_num_chunks"][4]["epic"] == pytest.approx(4.0)
+                                              "cacheblend": pytest.approx(4.0)}
+    assert ratios["ttft_speedup_by_num_chunks"][4]["cacheblend"] == pytest.approx(4.0)
     assert quality["accuracy_full"] == 1.0 and quality["accuracy_reuse"] == 1.0
     assert quality["accuracy_naive"] == 0.0 and quality["accuracy_prefix_cache"] == 1.0
     assert quality["accuracy_by_num_chunks"][4]["naive"] == 0.0
@@ -180,8 +180,8 @@ def test_ratios_quality_table_and_plot(tmp_path):
               "sides": sides, "ratios": ratios, "quality": quality, "date": "today",
               "load_average": {"before": 1.5, "after": 2.0}}
     text = chunk_reuse.table(result)
-    assert "epic 4.00x" in text and "5.4%" in text and "load average 1.5" in text
-    assert "accuracy: full 100%, epic (default policy) 100%" in text
+    assert "cacheblend 4.00x" in text and "5.4%" in text and "load average 1.5" in text
+    assert "accuracy: full 100%, cacheblend (default policy) 100%" in text
     json.dumps(result)
     pytest.importorskip("matplotlib")
     chunk_reuse.write_plot(result, tmp_path / "p.png")
@@ -191,11 +191,10 @@ def test_ratios_quality_table_and_plot(tmp_path):
 def test_ratios_without_the_default_policy():
     _, work = _build(num_chunks=(4,))
     sides = {"full": chunk_reuse.summarize_side(_fake_raw(work, 1.0, True), work, _decode),
-             "cacheblend": chunk_reuse.summarize_side(_fake_raw(work, 0.5, True), work,
-                                                      _decode)}
+             "epic": chunk_reuse.summarize_side(_fake_raw(work, 0.5, True), work, _decode)}
     ratios, quality = chunk_reuse.compare(sides)
     assert ratios["ttft_speedup"] is None and quality["accuracy_reuse"] is None
-    assert ratios["ttft_speedup_by_side"] == {"cacheblend": pytest.approx(2.0)}
+    assert ratios["ttft_speedup_by_side"] == {"epic": pytest.approx(2.0)}
 
 
 def test_sides_engines_and_tasks():

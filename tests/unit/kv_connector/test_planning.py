@@ -96,7 +96,7 @@ def test_chunks_to_save_waits_for_complete_chunks():
 
 
 def test_config_errors_name_the_knob():
-    assert parse_config({}).recompute == "epic"
+    assert parse_config({}).recompute == "cacheblend"
     assert parse_config({"stores": "memory", "recompute": "cacheblend"}).stores == ("memory",)
     for bad, name in [({"recompute": "all"}, "recompute"), ({"recompute_ratio": 2}, "ratio"),
                       ({"epic_tokens": 1.5}, "epic_tokens"), ({"stores": []}, "stores"),
