@@ -44,8 +44,8 @@ class ChunkReuseConfig:
     chunk_separator: str = "auto"
     #: ``none`` (naive reuse), ``epic`` (recompute the first ``epic_tokens`` of every reused
     #: chunk), ``cacheblend`` (recompute layer 0, then the ``recompute_ratio`` of tokens whose
-    #: layer-1 keys deviate most from the loaded ones). The default is the one that kept full
-    #: recompute's accuracy in ``vllm-accel bench chunk-reuse`` (docs/chunk_reuse.md).
+    #: layer-1 keys deviate most from the loaded ones). The default is the policy that kept
+    #: most of full recompute's accuracy in ``vllm-accel bench chunk-reuse`` (docs/chunk_reuse.md).
     recompute: str = "cacheblend"
     epic_tokens: int = 16
     recompute_ratio: float = 0.15
