@@ -16,10 +16,9 @@ from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
 
-class CpuFeatureBackend(CPUAttentionBackend):
-    """Causal decoder self-attention, no sliding window, KV in the model dtype, CPU only."""
-
-    supported_kv_cache_dtypes: ClassVar[list] = ["auto"]
+class CausalDecoderOnly:
+    """What vllm_accel's feature kernels attend: causal decoder self-attention, no sliding
+    window (a mixin before the platform's backend class, CPU or CUDA)."""
 
     @classmethod
     def supports_sliding_window(cls) -> bool:
@@ -32,6 +31,12 @@ class CpuFeatureBackend(CPUAttentionBackend):
     @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:
         return attn_type == AttentionType.DECODER
+
+
+class CpuFeatureBackend(CausalDecoderOnly, CPUAttentionBackend):
+    """Causal decoder self-attention, no sliding window, KV in the model dtype, CPU only."""
+
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto"]
 
     @classmethod
     def validate_configuration(cls, *args, **kwargs) -> list[str]:

@@ -22,8 +22,9 @@ from functools import cache
 from typing import ClassVar
 
 import torch
-from vllm.v1.attention.backend import AttentionBackend, AttentionCGSupport, AttentionType
+from vllm.v1.attention.backend import AttentionBackend, AttentionCGSupport
 
+from vllm_accel.attention.cpu_feature import CausalDecoderOnly
 from vllm_accel.kernels.block_sparse_attention import kv_cache_views_split_last_dim
 from vllm_accel.kernels.speed_attention import plan_speed_upper_triton, run_speed_upper_triton
 from vllm_accel.speed.backend import SpeedBuilderMixin, SpeedImplMixin, SpeedUpperMetadata
@@ -48,16 +49,13 @@ def speed_backend_on(dense: type[AttentionBackend]) -> type[AttentionBackend]:
     """``ACCEL_SPEED`` built on the dense backend ``dense`` (its Builder and Impl subclassed)."""
 
     class SpeedCudaMetadataBuilder(SpeedBuilderMixin, dense.get_builder_cls()):
+        # read by vLLM through get_cudagraph_support (FlashAttention's and the base's)
         _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
-
-        @classmethod
-        def get_cudagraph_support(cls, *args, **kwargs) -> AttentionCGSupport:
-            return AttentionCGSupport.NEVER
 
     class SpeedCudaImpl(SpeedTritonUpperMixin, dense.get_impl_cls()):
         pass
 
-    class SpeedCudaBackend(dense):
+    class SpeedCudaBackend(CausalDecoderOnly, dense):
         __doc__ = f"SPEED on CUDA: {dense.get_name()} in the lower layers, Triton above."
         supported_kv_cache_dtypes: ClassVar[list] = ["auto", "float16", "bfloat16"]
 
@@ -72,14 +70,6 @@ def speed_backend_on(dense: type[AttentionBackend]) -> type[AttentionBackend]:
         @staticmethod
         def get_builder_cls():
             return SpeedCudaMetadataBuilder
-
-        @classmethod
-        def supports_sliding_window(cls) -> bool:
-            return False
-
-        @classmethod
-        def supports_attn_type(cls, attn_type: str) -> bool:
-            return attn_type == AttentionType.DECODER
 
     for cls in (SpeedCudaMetadataBuilder, SpeedCudaImpl, SpeedCudaBackend):
         cls.__qualname__ = f"{cls.__name__}[{dense.get_name()}]"

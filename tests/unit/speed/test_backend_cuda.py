@@ -35,7 +35,8 @@ def test_classes_subclass_the_dense_backend():
     assert backend is speed_backend_on(TritonAttentionBackend)  # built once per dense backend
     assert backend.get_name() == "ACCEL_SPEED" and issubclass(backend, TritonAttentionBackend)
     assert issubclass(backend.get_impl_cls(), TritonAttentionImpl)
-    assert backend.get_builder_cls().get_cudagraph_support() == AttentionCGSupport.NEVER
+    assert backend.get_builder_cls().get_cudagraph_support(None, None) == \
+        AttentionCGSupport.NEVER
     assert not backend.supports_sliding_window()
 
 
