@@ -112,6 +112,10 @@ class SpeedBuilderMixin:
         self.upper = isinstance(kv_cache_spec, SpeedUpperSpec)
         if self.upper:
             self.anchor_tokens = kv_cache_spec.anchor_tokens
+            # vLLM reuses one group's metadata for another group of the same spec by swapping
+            # in its block table and slot mapping (FlashAttention's builder allows it); ours
+            # holds the upper rows' own slots and a plan made from the block table: build anew
+            self.supports_update_block_table = False
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False):

@@ -127,3 +127,27 @@ def test_the_registry_names_the_cuda_class_off_the_cpu():
     assert BACKENDS["ACCEL_BASE"].class_path_for(False) == BACKENDS["ACCEL_BASE"].class_path
     with pytest.raises(RuntimeError, match="CUDA class"):  # this machine is the CPU platform
         getattr(backend_cuda, "SpeedCudaBackend")  # noqa: B009 (the lazy module attribute)
+
+
+def test_upper_metadata_is_never_reused_by_swapping_the_block_table():
+    """FlashAttention's builder lets vLLM reuse a group's metadata for another group of the
+    same spec (new block table and slot mapping); SPEED's upper metadata must be rebuilt."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from vllm_accel.speed.backend import SpeedBuilderMixin
+    from vllm_accel.speed.kv_spec import SpeedUpperSpec
+
+    class _Dense:  # stands for FlashAttentionMetadataBuilder (needs flash-attn, a GPU)
+        supports_update_block_table = True
+
+        def __init__(self, *args) -> None:
+            pass
+
+    class _Builder(SpeedBuilderMixin, _Dense):
+        pass
+
+    spec = dict(block_size=PAGE, num_kv_heads=H_KV, head_size=D, dtype=torch.float32)
+    upper = _Builder(SpeedUpperSpec(**spec, anchor_tokens=1), ["upper.0"], None, "cpu")
+    lower = _Builder(FullAttentionSpec(**spec), ["lower.0"], None, "cpu")
+    assert not upper.supports_update_block_table
+    assert lower.supports_update_block_table  # the dense groups keep vLLM's shortcut
