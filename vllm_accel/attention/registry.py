@@ -49,13 +49,15 @@ BACKENDS: dict[str, BackendInfo] = {
             "ACCEL_KIVI_4BIT",
             "vllm_accel.kv_quant.backend.Kivi4BitBackend",
             "KIVI-style 4-bit KV cache (keys per channel, values per token); selected by "
-            "--kv-cache-dtype kivi_4bit (CPU)",
+            "--kv-cache-dtype kivi_4bit (CPU; CUDA: the Triton kernels, written, not yet run "
+            "on a GPU)",
         ),
         BackendInfo(
             "ACCEL_KIVI_2BIT",
             "vllm_accel.kv_quant.backend.Kivi2BitBackend",
             "KIVI-style 2-bit KV cache (keys per channel, values per token); selected by "
-            "--kv-cache-dtype kivi_2bit (CPU)",
+            "--kv-cache-dtype kivi_2bit (CPU; CUDA: the Triton kernels, written, not yet run "
+            "on a GPU)",
         ),
     )
 }

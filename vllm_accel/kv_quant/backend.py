@@ -1,6 +1,8 @@
 """``ACCEL_KIVI_4BIT`` / ``ACCEL_KIVI_2BIT``: attention over a KIVI-quantized paged KV cache.
 
-Selected automatically by ``--kv-cache-dtype kivi_4bit`` / ``kivi_2bit`` (CPU platform). Roles:
+Selected automatically by ``--kv-cache-dtype kivi_4bit`` / ``kivi_2bit``, on vLLM's CPU and CUDA
+platforms (one backend for both: it owns its page format and its kernels, nothing of vLLM's dense
+backends). Roles:
 
 * **Backend** -- owns the page format. :meth:`KiviBackend.customize_spec` sets vLLM's
   ``state_content_bytes`` to ``KiviLayout.bytes_per_token_head``, so block accounting, memory
@@ -13,7 +15,12 @@ Selected automatically by ``--kv-cache-dtype kivi_4bit`` / ``kivi_2bit`` (CPU pl
 * **Impl** -- ``do_kv_cache_update`` quantizes on write
   (:func:`~vllm_accel.kernels.kivi_cache.quantize_on_write`); ``forward`` runs
   :func:`~vllm_accel.kernels.kivi_attention.kivi_paged_attention` (on CPU: decode rows through the
-  native kernel ``vllm_accel._C_kivi`` when built, other rows through the torch path).
+  native kernel ``vllm_accel._C_kivi`` when built, other rows through the torch path; on CUDA:
+  the Triton write and fused attention kernels, which read the packed pages directly).
+
+CUDA graphs: the builder keeps vLLM's default ``NEVER`` (the residual-pool entries are assigned on
+the host each step), so vLLM captures at most the layers between attention ops (piecewise); the
+cache write and attention run eagerly.
 
 Residual placement (knob ``residual``, :mod:`vllm_accel.kv_quant.config`): with ``"tail"`` (the
 default) the keys of each running request's unfinished 64-token key group live in a
@@ -23,10 +30,10 @@ default) the keys of each running request's unfinished 64-token key group live i
 head at head size 64, 3.56x the tokens of bf16; kivi_2bit 40 B, 6.4x). With ``"page"`` every
 page carries the residual area instead (self-contained, 136 B / 104 B: 1.88x / 2.46x).
 
-Start-up checks (:func:`startup_problems`) name the flag and the supported values: CPU platform
-only, ``--dtype`` bfloat16/float16, ``--block-size`` a multiple of the 64-token key group, head
-size a multiple of 8 (>= 16), decoder self-attention without sliding window, ALiBi, soft-capping
-or sinks.
+Start-up checks (:func:`startup_problems`) name the flag and the supported values: CPU or CUDA
+platform (CUDA: the Triton kernels, or ``kernel: torch``), ``--dtype`` bfloat16/float16,
+``--block-size`` a multiple of the 64-token key group, head size a multiple of 8 (>= 16),
+decoder self-attention without sliding window, ALiBi, soft-capping or sinks.
 """
 
 from __future__ import annotations
@@ -98,7 +105,12 @@ def _current_block_size(selector_block_size: int | None) -> int | None:
     config = get_current_vllm_config_or_none()
     if config is None or config.cache_config is None:
         return None
-    return config.cache_config.block_size
+    cache_config = config.cache_config
+    if not getattr(cache_config, "user_specified_block_size", True):
+        # vLLM's default; it aligns the block size to get_supported_kernel_block_sizes later
+        # (CUDA: 16 -> 64; the CPU platform's 128 already fits)
+        return None
+    return cache_config.block_size
 
 
 def startup_problems(kv_cache_dtype: str, selector_config: Any) -> list[str]:
@@ -106,11 +118,7 @@ def startup_problems(kv_cache_dtype: str, selector_config: Any) -> list[str]:
     from vllm.platforms import current_platform
 
     flag = f"--kv-cache-dtype {kv_cache_dtype}"
-    problems = []
-    if not current_platform.is_cpu():
-        problems.append(
-            f"{flag} is wired for the CPU platform only in this vllm_accel release (this is "
-            f"{type(current_platform).__name__}); use --kv-cache-dtype auto or fp8 on GPUs")
+    problems = platform_problems(flag, current_platform)
     if selector_config.dtype not in SUPPORTED_MODEL_DTYPES:
         problems.append(
             f"{flag} needs a 16-bit model dtype; got --dtype "
@@ -137,6 +145,29 @@ def startup_problems(kv_cache_dtype: str, selector_config: Any) -> list[str]:
     if selector_config.has_sink:
         problems.append(f"{flag} does not support attention sinks")
     return problems
+
+
+def platform_problems(flag: str, platform: Any) -> list[str]:
+    """Why this platform cannot run the KIVI kernels the ``kv_quant.kernel`` knob asks for."""
+    if platform.is_cpu():
+        return []
+    if not platform.is_cuda():
+        return [f"{flag} runs on vLLM's CPU and CUDA platforms; this is "
+                f"{type(platform).__name__}: use --kv-cache-dtype auto or fp8 here"]
+    from vllm.config import get_current_vllm_config_or_none
+
+    from vllm_accel.kernels.kivi_cache import HAS_TRITON
+
+    config = get_current_vllm_config_or_none()
+    kernel = load_knobs(config.additional_config if config is not None else None).kernel
+    knob = f"vllm_accel.kv_quant.kernel={kernel!r}"
+    if kernel == "native":
+        return [f"{flag} with {knob}: the native kernels are CPU kernels; supported on CUDA: "
+                f"auto, triton, torch"]
+    if kernel in ("auto", "triton") and not HAS_TRITON:
+        return [f"{flag} with {knob} needs Triton on CUDA and it does not import; install "
+                f"triton, or set the knob to torch (dequantize + SDPA, slow)"]
+    return []
 
 
 def raise_startup_problems(kv_cache_dtype: str, selector_config: Any) -> None:
@@ -345,8 +376,9 @@ class KiviAttentionImpl(AttentionImpl):
         try:
             self.kernel = resolve_backend(self.knobs.kernel, device, probe)
         except RuntimeError as exc:
+            here = "auto, triton, torch" if device.type == "cuda" else "auto, torch, native"
             raise ValueError(f"{flag}: vllm_accel.kv_quant.kernel={self.knobs.kernel!r}: {exc}; "
-                             f"supported here: auto, torch") from exc
+                             f"supported on {device.type}: {here}") from exc
         if self.kernel not in _LOGGED_KERNELS:
             _LOGGED_KERNELS.add(self.kernel)
             logger.info("%s: cache write and attention kernel %s (knob "
