@@ -61,17 +61,23 @@ def _bench(args: argparse.Namespace) -> int:
               f"{', '.join([*FEATURES, 'spec-decode', 'chunk-reuse'])}", file=sys.stderr)
         return 2
     feature = FEATURES[args.feature]
-    if getattr(args, "kv_cache_dtype", None):
+    kv_quant_flags = {flag: value for flag, value in (
+        ("--kv-cache-dtype", getattr(args, "kv_cache_dtype", None)),
+        ("--dtype", getattr(args, "dtype", None))) if value}
+    if kv_quant_flags:
         if args.feature != "kv-quant":
-            print("vllm-accel bench: --kv-cache-dtype applies to the kv-quant bench only",
-                  file=sys.stderr)
+            print(f"vllm-accel bench: {', '.join(kv_quant_flags)} applies to the kv-quant bench "
+                  f"only", file=sys.stderr)
             return 2
         import dataclasses
 
         from vllm_accel.bench import kv_quant
 
-        feature = dataclasses.replace(feature,
-                                      accelerated=kv_quant.engine_extra(args.kv_cache_dtype))
+        model_dtype = args.dtype or kv_quant.MODEL_DTYPE
+        feature = dataclasses.replace(
+            feature, baseline=kv_quant.engine_extra("auto", model_dtype),
+            accelerated=kv_quant.engine_extra(args.kv_cache_dtype or kv_quant.DEFAULT_DTYPE,
+                                              model_dtype))
     try:
         model_dir, model_name = _model_dir_and_name(args.model or feature.model)
     except UnknownModelError as exc:
@@ -357,6 +363,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "separated), e.g. --set needle_lengths=4096,8192 --set tasks=needle")
             p.add_argument("--kv-cache-dtype", help="kv-quant only: the quantized cache dtype "
                            "compared with the bf16 cache (default kivi_4bit)")
+            p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
+                           help="kv-quant only: the model dtype of both sides (default "
+                           "bfloat16; float32 where vLLM's bf16 CPU path is unreliable)")
         p.add_argument("--json", help="write the result as JSON here")
         p.add_argument("--plot", help="write a PNG plot here")
         p.add_argument("--gpu-memory-utilization", type=float, default=0.3)

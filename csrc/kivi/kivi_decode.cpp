@@ -87,8 +87,13 @@ inline void store_half(uint8_t* p, float f) {
   std::memcpy(p, &h, sizeof(h));
 }
 
-// A 16-bit model-dtype element (bf16 or fp16) -> float.
-inline float load_16(const uint8_t* p, bool bf16) {
+// A model-dtype element (fp32, or 16-bit: bf16 or fp16) -> float.
+inline float load_elem(const uint8_t* p, int64_t elem_bytes, bool bf16) {
+  if (elem_bytes == 4) {
+    float f;
+    std::memcpy(&f, p, sizeof(f));
+    return f;
+  }
   uint16_t h;
   std::memcpy(&h, p, sizeof(h));
   if (!bf16) return half_to_float(h);
@@ -347,7 +352,8 @@ inline void pack_row(const uint8_t* codes, int bits, int64_t d, uint8_t* out) {
 struct WriteArgs {
   uintptr_t cache, key, value, slots, entries, tail;
   int64_t num_tokens, tail_entry_stride, tail_head_stride;  // tail strides in bytes
-  bool bf16;  // model dtype of key/value/tail rows: bf16 (else fp16)
+  bool bf16;  // model dtype of key/value/tail rows when 16-bit: bf16 (else fp16)
+  int64_t elem_bytes;  // bytes of one model-dtype element: 2, or 4 (float32)
 };
 
 void write_tokens(const WriteArgs& a, const Geometry& g, int64_t num_threads) {
@@ -359,7 +365,7 @@ void write_tokens(const WriteArgs& a, const Geometry& g, int64_t num_threads) {
   auto* tail = reinterpret_cast<uint8_t*>(a.tail);
   const int64_t H = g.num_kv_heads, D = g.head_size, N = g.block_size, G = g.key_group;
   const int64_t vg_w = g.value_group, vgroups = D / vg_w;
-  const int64_t row_bytes = D * 2, tok_bytes = H * D * 2;
+  const int64_t E = a.elem_bytes, row_bytes = D * E, tok_bytes = H * D * E;
   const int64_t T = a.num_tokens;
   auto page_of = [&](int64_t s, int64_t h) {
     return cache + (s / N) * g.block_stride + h * g.head_stride;
@@ -385,7 +391,7 @@ void write_tokens(const WriteArgs& a, const Geometry& g, int64_t num_threads) {
           const bool from_in = cand >= 0 && slot[cand] == s - back;
           const uint8_t* src = from_in ? key + cand * tok_bytes + h * row_bytes
                                        : tail_row(entry[t], h, r);
-          for (int64_t d = 0; d < D; ++d) x[r * D + d] = load_16(src + 2 * d, a.bf16);
+          for (int64_t d = 0; d < D; ++d) x[r * D + d] = load_elem(src + E * d, E, a.bf16);
         }
         const int64_t grp = off / G;
         for (int64_t d = 0; d < D; ++d) {  // per channel over the group's G rows
@@ -402,7 +408,7 @@ void write_tokens(const WriteArgs& a, const Geometry& g, int64_t num_threads) {
         }
       }
       const uint8_t* vrow = value + t * tok_bytes + h * row_bytes;
-      for (int64_t d = 0; d < D; ++d) x[d] = load_16(vrow + 2 * d, a.bf16);
+      for (int64_t d = 0; d < D; ++d) x[d] = load_elem(vrow + E * d, E, a.bf16);
       for (int64_t vg = 0; vg < vgroups; ++vg) {
         float sc, ze;
         quantize_run(x.data() + vg * vg_w, vg_w, 1, static_cast<int>(g.bits_v),
@@ -471,7 +477,8 @@ PYBIND11_MODULE(_C_kivi, m) {
       .def_readwrite("num_tokens", &WriteArgs::num_tokens)
       .def_readwrite("tail_entry_stride", &WriteArgs::tail_entry_stride)
       .def_readwrite("tail_head_stride", &WriteArgs::tail_head_stride)
-      .def_readwrite("bf16", &WriteArgs::bf16);
+      .def_readwrite("bf16", &WriteArgs::bf16)
+      .def_readwrite("elem_bytes", &WriteArgs::elem_bytes);
   m.def(
       "write",
       [](const WriteArgs& args, const Geometry& g, int64_t num_threads) {

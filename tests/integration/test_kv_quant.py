@@ -61,15 +61,12 @@ def test_default_model_kivi_4bit_answers_correctly(generate, default_model):
     questions = ["What is the capital of France?",
                  "Write a Python function that returns the square of a number."]
     prompts = [chat_ids(tok, q) for q in questions]
-    out, log = generate("kivi_4bit", default_model, prompts, 40, kv_cache_dtype="kivi_4bit")
+    # float32: vLLM 0.32's own bf16 CPU path answers wrongly on some CPUs (Intel AMX:
+    # "L'Étoile, ..." with or without vllm_accel; docs/compatibility.md)
+    out, log = generate("kivi_4bit", default_model, prompts, 40, kv_cache_dtype="kivi_4bit",
+                        dtype="float32")
     assert "Using ACCEL_KIVI_4BIT backend on CPU" in log
-    if "Paris" not in out[0]["text"]:
-        # KIVI needs a bf16/fp16 model. vLLM 0.32's own bf16 CPU path answers wrongly on some
-        # CPUs (Intel AMX: "L'Étoile, ..." with or without vllm_accel; docs/compatibility.md):
-        # judge KIVI only where plain vLLM in the same dtype answers right.
-        base, _ = generate("bf16_baseline", default_model, prompts[:1], 40)
-        if "Paris" not in base[0]["text"]:
-            pytest.skip(f"vLLM's own bf16 answers wrongly on this CPU: {base[0]['text']!r}")
+    assert "dtype=float32" in log  # the residual keys are stored in the model dtype
     assert "Paris" in out[0]["text"]
     assert "def " in out[1]["text"]
 

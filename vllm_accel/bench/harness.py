@@ -141,18 +141,20 @@ def _kv_memory_reduction(b: dict[str, Any], a: dict[str, Any]) -> float:
 
 def compare(base: dict[str, Any], accel: dict[str, Any], base_raw: dict[str, Any],
             accel_raw: dict[str, Any]) -> tuple[dict[str, float], dict[str, Any]]:
-    head = max(base["by_prompt_length"])  # the longest prompt is the headline configuration
-    b, a = base["by_prompt_length"][head], accel["by_prompt_length"][head]
-    ratios = {
-        "headline_prompt_tokens": head,
-        "ttft_speedup": b["ttft_s"] / a["ttft_s"],
-        "tpot_speedup": _ratio(b["tpot_s"], a["tpot_s"]),
-        "throughput_ratio": _ratio(accel["throughput_tok_s"], base["throughput_tok_s"]),
-        "kv_memory_reduction": _kv_memory_reduction(b, a),
-    }
-    if a.get("attention_s") is not None or b.get("attention_s") is not None:
-        ratios["attention_speedup"] = _ratio(b.get("attention_s"), a.get("attention_s"))
-        ratios["density"] = a.get("density")
+    ratios: dict[str, Any] = {
+        "throughput_ratio": _ratio(accel["throughput_tok_s"], base["throughput_tok_s"])}
+    if base["by_prompt_length"]:  # no latency task (--set tasks=needle,...): no speed ratios
+        head = max(base["by_prompt_length"])  # the longest prompt is the headline configuration
+        b, a = base["by_prompt_length"][head], accel["by_prompt_length"][head]
+        ratios.update({
+            "headline_prompt_tokens": head,
+            "ttft_speedup": b["ttft_s"] / a["ttft_s"],
+            "tpot_speedup": _ratio(b["tpot_s"], a["tpot_s"]),
+            "kv_memory_reduction": _kv_memory_reduction(b, a),
+        })
+        if a.get("attention_s") is not None or b.get("attention_s") is not None:
+            ratios["attention_speedup"] = _ratio(b.get("attention_s"), a.get("attention_s"))
+            ratios["density"] = a.get("density")
     quality: dict[str, Any] = {}
     if "identity" in base_raw["tasks"] and "identity" in accel_raw["tasks"]:
         ident = identity.compare([o["token_ids"] for o in base_raw["tasks"]["identity"]],

@@ -146,4 +146,5 @@ def write_tokens(key: torch.Tensor, value: torch.Tensor, pages: torch.Tensor,
     args.tail_entry_stride = tail.stride(0) * tail.element_size()
     args.tail_head_stride = tail.stride(1) * tail.element_size()
     args.bf16 = layout.dtype == torch.bfloat16
+    args.elem_bytes = k.element_size()
     _C_kivi.write(args, _geometry(layout, pages, 1), num_threads or torch.get_num_threads())

@@ -106,7 +106,7 @@ SCALE_DTYPE = torch.float16
 FP16_MAX = 65504.0
 ALLOWED_BITS = (2, 4, 8)
 ALLOWED_KEY_GROUPS = (16, 32, 64, 128)
-ALLOWED_DTYPES = (torch.bfloat16, torch.float16)
+ALLOWED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 RESIDUAL_MODES = ("tail", "page")
 MAX_SINK_TOKENS = 32
 REGION_ALIGN = 16
@@ -215,7 +215,7 @@ class KiviLayout:
         if not isinstance(vg, int) or vg <= 0 or vg % 8 != 0 or d % vg != 0:
             raise bad("value_group", vg, f"a multiple of 8 that divides head_size={d}")
         if self.dtype not in ALLOWED_DTYPES:
-            raise bad("dtype", self.dtype, "torch.bfloat16 or torch.float16")
+            raise bad("dtype", self.dtype, "torch.bfloat16, torch.float16 or torch.float32")
         s = self.sink_tokens
         if not isinstance(s, int) or s < 0 or s >= self.key_group or s > MAX_SINK_TOKENS:
             raise bad(

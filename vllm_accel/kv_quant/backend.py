@@ -31,7 +31,7 @@ head at head size 64, 3.56x the tokens of bf16; kivi_2bit 40 B, 6.4x). With ``"p
 page carries the residual area instead (self-contained, 136 B / 104 B: 1.88x / 2.46x).
 
 Start-up checks (:func:`startup_problems`) name the flag and the supported values: CPU or CUDA
-platform (CUDA: the Triton kernels, or ``kernel: torch``), ``--dtype`` bfloat16/float16,
+platform (CUDA: the Triton kernels, or ``kernel: torch``), ``--dtype`` bfloat16/float16/float32,
 ``--block-size`` a multiple of the 64-token key group, head size a multiple of 8 (>= 16),
 decoder self-attention without sliding window, ALiBi, soft-capping or sinks.
 """
@@ -64,7 +64,7 @@ from vllm_accel.log import get_logger
 
 logger = get_logger("kv_quant")
 
-SUPPORTED_MODEL_DTYPES = (torch.bfloat16, torch.float16)
+SUPPORTED_MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 DEFAULT_CPU_BLOCK_SIZE = 128  # vLLM's CPU default when --block-size is not given
 _LOGGED_LAYOUTS: set[KiviLayout] = set()
 _LOGGED_KERNELS: set[str] = set()
@@ -121,8 +121,9 @@ def startup_problems(kv_cache_dtype: str, selector_config: Any) -> list[str]:
     problems = platform_problems(flag, current_platform)
     if selector_config.dtype not in SUPPORTED_MODEL_DTYPES:
         problems.append(
-            f"{flag} needs a 16-bit model dtype; got --dtype "
-            f"{str(selector_config.dtype).replace('torch.', '')}; supported: bfloat16, float16")
+            f"{flag} cannot store the residual keys of --dtype "
+            f"{str(selector_config.dtype).replace('torch.', '')}; supported: bfloat16, float16, "
+            f"float32")
     group = key_group(kv_cache_dtype)
     block = _current_block_size(selector_config.block_size)
     if block is not None and block % group != 0:
@@ -361,7 +362,8 @@ class KiviAttentionImpl(AttentionImpl):
         model_dtype = config.model_config.dtype if config is not None else torch.bfloat16
         additional = config.additional_config if config is not None else None
         if model_dtype not in SUPPORTED_MODEL_DTYPES:
-            raise ValueError(f"{flag} needs --dtype bfloat16 or float16; got {model_dtype}")
+            raise ValueError(f"{flag} needs --dtype bfloat16, float16 or float32; got "
+                             f"{model_dtype}")
         self.kv_cache_dtype = kv_cache_dtype
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads

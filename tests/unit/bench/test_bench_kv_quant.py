@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from vllm_accel.bench import kv_quant
@@ -20,10 +21,12 @@ def _engine(tmp_path, **extra):
     return {"model": str(tmp_path), **kv_quant.engine_extra("kivi_4bit"), **extra}
 
 
-def test_budget_is_net_of_the_pool_the_worker_allocates(tmp_path):
-    engine = kv_quant.finish_engine(_engine(tmp_path))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_budget_is_net_of_the_pool_the_worker_allocates(tmp_path, dtype):
+    model_dtype = str(dtype).replace("torch.", "")
+    engine = kv_quant.finish_engine(_engine(tmp_path, dtype=model_dtype))
     pool = TailPool([f"l{i}" for i in range(LAYERS)], num_kv_heads=KV_HEADS, key_group=64,
-                    head_size=HIDDEN // HEADS, dtype=torch.bfloat16, device="cpu",
+                    head_size=HIDDEN // HEADS, dtype=dtype, device="cpu",
                     max_requests=kv_quant.MAX_NUM_SEQS, entries_per_slot=1)
     assert kv_quant.KV_CACHE_BYTES - engine["kv_cache_memory_bytes"] == pool.nbytes > 0
 

@@ -55,3 +55,14 @@ def test_compare_reports_agreement_of_the_perplexity_task():
     _, quality = harness.compare(side, side, base_raw, accel_raw)
     assert quality["top1_agreement"] == pytest.approx(0.5)
     assert quality["mean_abs_logprob_delta"] == pytest.approx(0.25)
+
+
+def test_compare_without_the_latency_task_reports_quality_only():
+    """``--set tasks=needle,retrieval``: no prompt-length rows, no speed ratios."""
+    side = {"by_prompt_length": {}, "throughput_tok_s": None, "needle_accuracy": 0.9,
+            "retrieval": {"multikey": 1.0}, "perplexity": None}
+    ratios, quality = harness.compare(side, {**side, "needle_accuracy": 0.8},
+                                      {"tasks": {}}, {"tasks": {}})
+    assert "ttft_speedup" not in ratios and ratios["throughput_ratio"] is None
+    assert quality["needle_baseline"] == 0.9 and quality["needle_accelerated"] == 0.8
+    assert quality["multikey_accelerated"] == 1.0

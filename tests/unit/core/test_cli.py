@@ -117,3 +117,21 @@ def test_demo_runs_the_quick_base_bench(monkeypatch, tmp_path):
 
     assert seen == {"feature": "base", "plan": FEATURES["base"].quick,
                     "model": FEATURES["base"].model}
+
+
+def test_bench_dtype_sets_both_kv_quant_sides(capsys, monkeypatch):
+    from vllm_accel.bench import harness
+
+    assert cli.main(["bench", "speed", "--dtype", "float32"]) == 2
+    assert "--dtype applies to the kv-quant bench only" in capsys.readouterr().err
+    seen = {}
+
+    def fake_run_feature(feature, *args):
+        seen.update(baseline=feature.baseline, accelerated=feature.accelerated)
+        raise harness.BenchError("stop here")
+
+    monkeypatch.setattr(cli, "_model_dir_and_name", lambda model: ("/m", model))
+    monkeypatch.setattr(harness, "run_feature", fake_run_feature)
+    assert cli.main(["bench", "kv-quant", "--quick", "--dtype", "float32"]) == 1
+    assert seen["baseline"]["dtype"] == seen["accelerated"]["dtype"] == "float32"
+    assert seen["accelerated"]["kv_cache_dtype"] == "kivi_4bit"

@@ -69,6 +69,7 @@ LAYOUTS = [
     KiviLayout(4, 4, 32, 32, 16, 16, torch.bfloat16, 0, "tail"),
     KiviLayout(2, 4, 32, 32, 16, 32, torch.float16, 3, "page"),
     KiviLayout(4, 2, 32, 64, 32, 16, torch.bfloat16, 2, "tail"),
+    KiviLayout(4, 4, 32, 32, 16, 16, torch.float32, 0, "page"),  # float32 models
 ]
 
 
@@ -239,6 +240,7 @@ def test_argument_errors():
 TRITON_LAYOUTS = [
     KiviLayout(4, 2, 32, 32, 16, 16, torch.bfloat16, 0, "tail"),
     KiviLayout(2, 4, 48, 32, 16, None, torch.float16, 3, "page"),  # D=48: padded to 64 lanes
+    KiviLayout(4, 4, 32, 32, 16, 16, torch.float32, 0, "tail"),
 ]
 
 

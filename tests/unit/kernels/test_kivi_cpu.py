@@ -100,7 +100,7 @@ def test_mixed_batch_sends_only_decode_rows_to_the_native_kernel():
 @pytest.mark.parametrize("bits_k, bits_v, value_group, residual", [
     (4, 4, None, "tail"), (2, 2, None, "tail"), (4, 2, 16, "page"), (8, 8, None, "tail"),
 ])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_native_write_writes_the_bytes_of_the_torch_write(bits_k, bits_v, value_group,
                                                           residual, dtype):
     """Prefill chunks that complete groups from this call's tokens and from the tail, decode

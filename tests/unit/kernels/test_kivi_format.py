@@ -86,7 +86,7 @@ def test_regions_are_aligned_disjoint_and_inside_the_page():
         (dict(key_group=48), "key_group"),
         (dict(block_size=96, key_group=64), "block_size"),
         (dict(value_group=24), "value_group"),
-        (dict(dtype=torch.float32), "dtype"),
+        (dict(dtype=torch.float64), "dtype"),
         (dict(sink_tokens=64, key_group=64), "sink_tokens"),
         (dict(residual="ring"), "residual"),
     ],

@@ -93,8 +93,9 @@ def test_startup_problems_name_the_flag_and_supported_values():
     assert startup_problems("kivi_4bit", _selector_config()) == []
     (block,) = startup_problems("kivi_4bit", _selector_config(block_size=32))
     assert "--block-size 32" in block and "multiples of 64" in block
-    (dtype,) = startup_problems("kivi_2bit", _selector_config(dtype=torch.float32))
-    assert "--dtype float32" in dtype and "bfloat16, float16" in dtype
+    assert startup_problems("kivi_2bit", _selector_config(dtype=torch.float32)) == []
+    (dtype,) = startup_problems("kivi_2bit", _selector_config(dtype=torch.float64))
+    assert "--dtype float64" in dtype and "bfloat16, float16, float32" in dtype
     (head,) = startup_problems("kivi_4bit", _selector_config(head_size=12))
     assert "head size 12" in head
     (window,) = startup_problems("kivi_4bit", _selector_config(has_sliding_window=True))
