@@ -96,6 +96,9 @@ def main() -> None:
     ap.add_argument("--semantics", choices=("prefill", "decode"), default="prefill")
     ap.add_argument("--dump", default=None)
     ap.add_argument("--dump-format", default="bf16")
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                    help="model dtype (the format named bf16 is then the unquantized float32 "
+                    "cache)")
     ap.add_argument("--fp32-attention", action="store_true",
                     help="attention in fp32 on (dequantized) K/V, like the KIVI torch kernel")
     args = ap.parse_args()
@@ -108,7 +111,7 @@ def main() -> None:
     AttentionInterface.register("kivi_fq", _fq_attention)
     path = os.path.expanduser(args.model)
     tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype),
                                                  attn_implementation="kivi_fq").eval()
     windows = build_windows(tok, args.window, args.count)
     MODE["key_group"] = args.key_group or None

@@ -31,11 +31,11 @@ def test_bench_unknown_model(capsys):
     assert "unknown model 'nope'" in capsys.readouterr().err
 
 
-def test_bench_kv_cache_dtype_is_a_kv_quant_option(capsys, monkeypatch):
+@pytest.fixture
+def bench_sides(monkeypatch):
+    """The engine settings of both sides a ``bench`` command would run (it stops there)."""
     from vllm_accel.bench import harness
 
-    assert cli.main(["bench", "base", "--kv-cache-dtype", "kivi_2bit"]) == 2
-    assert "--kv-cache-dtype applies to the kv-quant bench only" in capsys.readouterr().err
     seen = {}
 
     def fake_run_feature(feature, *args):
@@ -44,6 +44,13 @@ def test_bench_kv_cache_dtype_is_a_kv_quant_option(capsys, monkeypatch):
 
     monkeypatch.setattr(cli, "_model_dir_and_name", lambda model: ("/m", model))
     monkeypatch.setattr(harness, "run_feature", fake_run_feature)
+    return seen
+
+
+def test_bench_kv_cache_dtype_is_a_kv_quant_option(capsys, bench_sides):
+    seen = bench_sides
+    assert cli.main(["bench", "base", "--kv-cache-dtype", "kivi_2bit"]) == 2
+    assert "--kv-cache-dtype applies to the kv-quant bench only" in capsys.readouterr().err
     assert cli.main(["bench", "kv-quant", "--quick", "--kv-cache-dtype", "kivi_2bit"]) == 1
     assert seen["accelerated"]["kv_cache_dtype"] == "kivi_2bit"
     assert seen["baseline"]["kv_cache_dtype"] == "auto"
@@ -119,19 +126,9 @@ def test_demo_runs_the_quick_base_bench(monkeypatch, tmp_path):
                     "model": FEATURES["base"].model}
 
 
-def test_bench_dtype_sets_both_kv_quant_sides(capsys, monkeypatch):
-    from vllm_accel.bench import harness
-
+def test_bench_dtype_sets_both_kv_quant_sides(capsys, bench_sides):
     assert cli.main(["bench", "speed", "--dtype", "float32"]) == 2
     assert "--dtype applies to the kv-quant bench only" in capsys.readouterr().err
-    seen = {}
-
-    def fake_run_feature(feature, *args):
-        seen.update(baseline=feature.baseline, accelerated=feature.accelerated)
-        raise harness.BenchError("stop here")
-
-    monkeypatch.setattr(cli, "_model_dir_and_name", lambda model: ("/m", model))
-    monkeypatch.setattr(harness, "run_feature", fake_run_feature)
     assert cli.main(["bench", "kv-quant", "--quick", "--dtype", "float32"]) == 1
-    assert seen["baseline"]["dtype"] == seen["accelerated"]["dtype"] == "float32"
-    assert seen["accelerated"]["kv_cache_dtype"] == "kivi_4bit"
+    assert bench_sides["baseline"]["dtype"] == bench_sides["accelerated"]["dtype"] == "float32"
+    assert bench_sides["accelerated"]["kv_cache_dtype"] == "kivi_4bit"
