@@ -362,7 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
                            help="override a field of the plan (repeatable; lists comma-"
                            "separated), e.g. --set needle_lengths=4096,8192 --set tasks=needle")
             p.add_argument("--kv-cache-dtype", help="kv-quant only: the quantized cache dtype "
-                           "compared with the bf16 cache (default kivi_4bit)")
+                           "compared with the unquantized cache (default kivi_4bit)")
             p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
                            help="kv-quant only: the model dtype of both sides (default "
                            "bfloat16; float32 where vLLM's bf16 CPU path is unreliable)")

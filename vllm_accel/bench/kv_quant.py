@@ -5,7 +5,8 @@ side with the same model dtype and the **same KV-cache bytes** (``kv_cache_memor
 the number of KV blocks vLLM allocates on each side is its capacity in tokens by vLLM's own
 block accounting (the page bytes come from the backend's ``customize_spec``):
 
-* ``baseline``: ``--kv-cache-dtype auto`` (bf16 pages);
+* ``baseline``: ``--kv-cache-dtype auto`` (pages in the model dtype: bf16, or the
+  ``bench kv-quant --dtype``);
 * ``accelerated``: ``--kv-cache-dtype kivi_4bit``, or the dtype given to
   ``bench kv-quant --kv-cache-dtype kivi_2bit``.
 
