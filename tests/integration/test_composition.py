@@ -55,8 +55,7 @@ def prompts(default_model) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def run(prompts, default_model, tmp_path_factory):
-    """run(label, *features) -> (token ids per prompt, engine result, log text); cached. The
-    result's outputs carry each position's top-5 log-probabilities."""
+    """run(label, *features) -> (token ids per prompt, engine result, log text); cached."""
     log_dir = tmp_path_factory.mktemp("composition")
     cache: dict[str, tuple[list[list[int]], dict[str, Any], str]] = {}
 
@@ -66,8 +65,7 @@ def run(prompts, default_model, tmp_path_factory):
             for feature in features:
                 engine.update(feature)
             task = {"kind": "generate", "name": "out", "prompts": prompts,
-                    "max_tokens": MAX_TOKENS, "sequential": True, "ignore_eos": True,
-                    "logprobs": 5}
+                    "max_tokens": MAX_TOKENS, "sequential": True, "ignore_eos": True}
             result = run_side(label, engine_settings(default_model, 2048, 0.2, engine), [task],
                               timeout_s=900, log_dir=log_dir)
             tokens = [o["token_ids"] for o in result["tasks"]["out"]]
