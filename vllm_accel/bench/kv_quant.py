@@ -43,6 +43,8 @@ def residual_pool_bytes(engine: dict[str, Any]) -> int:
     import json
     from pathlib import Path
 
+    import torch
+
     from vllm_accel.kernels.kivi_format import PRESETS
     from vllm_accel.kv_quant.config import load_knobs
     from vllm_accel.kv_quant.tail_pool import entries_per_request, pool_bytes
@@ -58,7 +60,7 @@ def residual_pool_bytes(engine: dict[str, Any]) -> int:
         head_size=cfg.get("head_dim") or cfg["hidden_size"] // heads,
         max_requests=engine["max_num_seqs"],
         entries_per_slot=entries_per_request(bool(engine.get("speculative_config"))),
-        dtype_bytes=4 if engine.get("dtype") == "float32" else 2)
+        dtype_bytes=getattr(torch, engine.get("dtype", MODEL_DTYPE)).itemsize)
 
 
 def finish_engine(engine: dict[str, Any]) -> dict[str, Any]:

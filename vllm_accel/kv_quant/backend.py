@@ -57,14 +57,16 @@ from vllm_accel.attention import step_requests
 from vllm_accel.attention.registry import KV_CACHE_DTYPE_BACKENDS
 from vllm_accel.kernels.kivi_attention import kivi_paged_attention
 from vllm_accel.kernels.kivi_cache import quantize_on_write, resolve_backend
-from vllm_accel.kernels.kivi_format import PRESETS, KiviLayout
+from vllm_accel.kernels.kivi_format import ALLOWED_DTYPES, PRESETS, KiviLayout
 from vllm_accel.kv_quant.config import KvQuantKnobs, load_knobs
 from vllm_accel.kv_quant.tail_pool import TailPool, entries_per_request
 from vllm_accel.log import get_logger
 
 logger = get_logger("kv_quant")
 
-SUPPORTED_MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# the residual keys are stored in the model dtype: the dtypes the page format takes
+SUPPORTED_MODEL_DTYPES = ALLOWED_DTYPES
+SUPPORTED_MODEL_DTYPE_NAMES = ", ".join(str(d).replace("torch.", "") for d in ALLOWED_DTYPES)
 DEFAULT_CPU_BLOCK_SIZE = 128  # vLLM's CPU default when --block-size is not given
 _LOGGED_LAYOUTS: set[KiviLayout] = set()
 _LOGGED_KERNELS: set[str] = set()
@@ -122,8 +124,8 @@ def startup_problems(kv_cache_dtype: str, selector_config: Any) -> list[str]:
     if selector_config.dtype not in SUPPORTED_MODEL_DTYPES:
         problems.append(
             f"{flag} cannot store the residual keys of --dtype "
-            f"{str(selector_config.dtype).replace('torch.', '')}; supported: bfloat16, float16, "
-            f"float32")
+            f"{str(selector_config.dtype).replace('torch.', '')}; supported: "
+            f"{SUPPORTED_MODEL_DTYPE_NAMES}")
     group = key_group(kv_cache_dtype)
     block = _current_block_size(selector_config.block_size)
     if block is not None and block % group != 0:
@@ -362,7 +364,7 @@ class KiviAttentionImpl(AttentionImpl):
         model_dtype = config.model_config.dtype if config is not None else torch.bfloat16
         additional = config.additional_config if config is not None else None
         if model_dtype not in SUPPORTED_MODEL_DTYPES:
-            raise ValueError(f"{flag} needs --dtype bfloat16, float16 or float32; got "
+            raise ValueError(f"{flag} needs --dtype {SUPPORTED_MODEL_DTYPE_NAMES}; got "
                              f"{model_dtype}")
         self.kv_cache_dtype = kv_cache_dtype
         self.num_heads = num_heads

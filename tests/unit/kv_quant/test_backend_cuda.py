@@ -13,7 +13,6 @@ pytest.importorskip("vllm")
 
 from vllm.platforms.interface import DeviceCapability  # noqa: E402
 from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata  # noqa: E402
-from vllm.v1.attention.selector import AttentionSelectorConfig  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
 
 import vllm_accel.kernels.kivi_cache as kivi_cache  # noqa: E402
@@ -28,6 +27,7 @@ from vllm_accel.kv_quant.backend import (  # noqa: E402
 )
 
 from ..kernels.conftest import requires_triton_interpreter  # noqa: E402
+from .test_dtype_registration import _selector_config  # noqa: E402
 
 H_Q, H_KV, D, N = 4, 2, 64, 128
 FLAG = "--kv-cache-dtype kivi_4bit"
@@ -71,27 +71,22 @@ def test_other_platforms_are_refused_naming_the_flag():
     assert FLAG in problem and "CPU and CUDA" in problem
 
 
-def _selector_config(block_size):
-    return AttentionSelectorConfig(head_size=D, dtype=torch.bfloat16,
-                                   kv_cache_dtype="kivi_4bit", block_size=block_size)
-
-
 def test_cudas_default_block_size_is_left_for_vllm_to_align(monkeypatch):
     """CUDA's default block (16, not user-set) is no error: vLLM aligns it to the backend's
     kernel block sizes (64); a user's --block-size 16 is refused."""
     cache = SimpleNamespace(block_size=16, user_specified_block_size=False)
     _use_config(monkeypatch, cache_config=cache)
-    assert startup_problems("kivi_4bit", _selector_config(None)) == []
+    assert startup_problems("kivi_4bit", _selector_config(block_size=None)) == []
     assert Kivi4BitBackend.get_preferred_block_size(16) == 64
     cache.user_specified_block_size = True
-    (block,) = startup_problems("kivi_4bit", _selector_config(None))
+    (block,) = startup_problems("kivi_4bit", _selector_config(block_size=None))
     assert "--block-size 16" in block
 
 
 def test_vllms_cuda_selection_accepts_the_backend():
     """What ``CudaPlatform.get_attn_backend_cls`` runs for an explicitly selected backend."""
     reasons = Kivi4BitBackend.validate_configuration(
-        device_capability=DeviceCapability(9, 0), **_selector_config(None)._asdict())
+        device_capability=DeviceCapability(9, 0), **_selector_config(block_size=None)._asdict())
     assert reasons == []
     assert Kivi4BitBackend.get_builder_cls().get_cudagraph_support(None, None) == \
         AttentionCGSupport.NEVER
