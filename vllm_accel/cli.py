@@ -337,6 +337,7 @@ def _fault_run(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from vllm_accel.kv_connector.config import RECOMPUTE_POLICIES
     from vllm_accel.precompute import EPILOG as PRECOMPUTE_EPILOG
     from vllm_accel.speed.adapt.data import DataPlan
     from vllm_accel.speed.adapt.train_plan import TrainPlan
@@ -388,7 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stores", required=True, nargs="+", metavar="STORE",
                    help="chunk stores, at least one persistent: disk:/path, "
                    "redis://host:port/db (memory may come first)")
-    p.add_argument("--recompute", default="epic", choices=["epic", "cacheblend", "none"],
+    p.add_argument("--recompute", default="epic", choices=RECOMPUTE_POLICIES,
                    help="recompute policy (only matters for documents already stored)")
     p.add_argument("--chunk-separator", default="auto",
                    help="the separator token (default: the model's file separator); serving "

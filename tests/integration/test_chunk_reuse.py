@@ -102,6 +102,17 @@ def test_full_recompute_through_the_connector_is_exact(run, prompts, plain):
 
 
 @pytest.mark.real_model
+def test_query_probe_then_full_recompute_is_exact(run, prompts, plain):
+    """``recompute=query`` at ratio 1.0: the question probes the loaded pages (writing nothing),
+    then every reused token is recomputed, so the output is the no-reuse output."""
+    tokens, _, log = run("query-all", prompts, **_reuse(recompute="query", recompute_ratio=1.0))
+    assert _counter(log, "scheduler", "reused_requests") == 2
+    # every claimed token-layer but the system prompt's (exact), plus the probe's suffix rows
+    assert _counter(log, "worker", "recompute_fraction") > 0.95
+    assert tokens == plain[0]
+
+
+@pytest.mark.real_model
 def test_epic_reuses_chunks_and_answers(run, prompts, plain):
     _, texts, log = run("epic", prompts, **_reuse(recompute="epic"))
     assert _counter(log, "scheduler", "reused_requests") == 2

@@ -11,8 +11,9 @@ One run starts one engine per side, in turn (each in its own process, see
   recomputed);
 * ``epic``         — the connector with EPIC's recompute (the first ``epic_tokens`` of every
   reused chunk);
-* ``cacheblend``   — the connector's default policy, CacheBlend's selective recompute
-  (``recompute_ratio``);
+* ``cacheblend``   — CacheBlend's selective recompute (``recompute_ratio``);
+* ``query``        — the connector's default policy: the tokens the question reads most, found
+  by probing the loaded pages with it (``recompute_ratio``, ``query_window``);
 * ``ape``, ``epic_ape`` — ``naive`` / ``epic`` plus APE's attention temperature and scale
   (``attention_temperature``, ``attention_scale``) for the question over the reused chunks.
 
@@ -24,9 +25,10 @@ holds the expected access code(s); connector sides also report the connector's c
 last ``chunk reuse (worker|scheduler)`` lines of the engine log): the recompute fraction
 (token-layers recomputed / claimed), reused requests, hit tokens.
 
-``ratios.ttft_speedup`` is median TTFT(full) / median TTFT(epic) at the largest document count
-(``ratios.headline_num_chunks``); ``ratios.ttft_speedup_by_side`` has every side's.
-``quality.accuracy_full`` / ``quality.accuracy_reuse`` (epic) and ``quality.accuracy_<side>`` are
+``ratios.ttft_speedup`` is median TTFT(full) / median TTFT(default policy's side) at the largest
+document count (``ratios.headline_num_chunks``); ``ratios.ttft_speedup_by_side`` has every side's.
+``quality.accuracy_full`` / ``quality.accuracy_reuse`` (default policy) and
+``quality.accuracy_<side>`` are
 the fractions of measured questions answered right. All from the same run.
 """
 
@@ -50,7 +52,8 @@ from vllm_accel.kv_connector.config import ChunkReuseConfig
 
 #: Connector sides: the ``recompute`` policy each runs, and whether it adds APE attention.
 CONNECTOR_SIDES = {"naive": ("none", False), "epic": ("epic", False),
-                   "cacheblend": ("cacheblend", False), "ape": ("none", True),
+                   "cacheblend": ("cacheblend", False), "query": ("query", False),
+                   "ape": ("none", True),
                    "epic_ape": ("epic", True)}
 ALL_SIDES = ("full", "prefix_cache", *CONNECTOR_SIDES)
 DEFAULT_POLICY = ChunkReuseConfig().recompute  # the side that runs the default policy
@@ -79,6 +82,7 @@ class ChunkReusePlan:
     stores: tuple[str, ...] = ("memory",)
     epic_tokens: int = 16
     recompute_ratio: float = 0.15
+    query_window: int = 4
     min_reuse_tokens: int = 64
     #: APE knobs of the ``ape`` and ``epic_ape`` sides.
     attention_temperature: float = 0.5
@@ -113,7 +117,8 @@ FULL = ChunkReusePlan(num_chunks=(4, 8, 10), chunk_tokens=1024, questions=8,
 
 def connector_config(policy: str, plan: ChunkReusePlan, ape: bool = False) -> dict[str, Any]:
     extra = {"recompute": policy, "stores": list(plan.stores), "epic_tokens": plan.epic_tokens,
-             "recompute_ratio": plan.recompute_ratio, "min_reuse_tokens": plan.min_reuse_tokens,
+             "recompute_ratio": plan.recompute_ratio, "query_window": plan.query_window,
+             "min_reuse_tokens": plan.min_reuse_tokens,
              "save_new_chunks": True}
     if ape:
         extra.update(attention_temperature=plan.attention_temperature,
@@ -289,7 +294,8 @@ def run(model_dir: str, model_name: str, plan: ChunkReusePlan, gpu_memory_utiliz
     return {
         "feature": "chunk-reuse",
         "summary": ("ChunkReuseConnector (position-independent chunk KV reuse; naive, EPIC, "
-                    "CacheBlend) vs full recompute vs vLLM prefix caching, multi-document QA"),
+                    "CacheBlend, query-driven) vs full recompute vs vLLM prefix caching, "
+                    "multi-document QA"),
         "model": model_name,
         "vllm_version": raw["full"]["vllm_version"],
         "platform": raw["full"].get("platform", {}),

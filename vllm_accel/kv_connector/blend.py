@@ -17,7 +17,13 @@ Policies (``recompute`` knob):
 * ``cacheblend`` — layer 0 runs on every claimed token; at layer 1 the rows whose fresh keys
   deviate most from the loaded keys (top ``recompute_ratio`` of the reused tokens) are kept and
   only they run layers 2..L-1 (CacheBlend's selection by KV deviation). Layers 0 and 1 get fresh
-  KV for every claimed token.
+  KV for every claimed token;
+* ``query`` — the question probes first (:func:`question_attention_peaks`): its tokens run
+  every layer over the loaded pages, writing nothing; the reused tokens its upper-layer heads
+  read most sharply, each with ``query_window`` neighbours on either side, up to
+  ``recompute_ratio`` of the reused tokens, then run every layer (user-query-driven selection
+  as in ProphetKV: the budget goes to what the question reads, not to tokens that deviate most
+  but do not matter for it).
 
 The model handle comes from :func:`register_model`, called by the model transform when the
 engine runs this connector (``vllm_accel.model_transforms``).
@@ -36,6 +42,7 @@ from torch import nn
 from vllm_accel.kv_connector.paged_kv import PagedLayerKV
 
 _QUERY_ROWS_PER_BLOCK = 512
+_PROBE_ROWS_PER_BLOCK = 64  # probe logits are [H, rows, keys] in float32
 _model_ref: weakref.ReferenceType | None = None
 
 
@@ -103,6 +110,87 @@ class _PagedRowAttention(nn.Module):
         return out.reshape(n, self.num_heads * d)
 
 
+class _ProbeAttention(nn.Module):
+    """Stands in for a layer's ``attn`` module while query rows probe the pages: the rows (the
+    contiguous positions ``first .. first+n-1``) attend to the page keys ``[0, first)`` that are
+    ``key_valid`` and causally to each other's fresh K/V; nothing is written. ``peak`` gets, per
+    page position, the largest attention probability any head gives it from the rows
+    ``score_rows``."""
+
+    def __init__(self, attn: nn.Module, paged: PagedLayerKV, block_table: torch.Tensor,
+                 key_valid: torch.Tensor, score_rows: torch.Tensor):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
+        self.head_size, self.scale = attn.head_size, attn.impl.scale
+        self.paged, self.block_table = paged, block_table
+        self.key_valid, self.score_rows = key_valid, score_rows
+        self.peak = torch.zeros(key_valid.numel(), dtype=torch.float32, device=key_valid.device)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        n, d, first = q.shape[0], self.head_size, self.key_valid.numel()
+        group = self.num_heads // self.num_kv_heads
+        page_k, page_v = self.paged.read(self.block_table,
+                                         torch.arange(first, device=q.device))
+        keys = torch.cat([page_k.float(), k.view(n, self.num_kv_heads, d).float()])
+        values = torch.cat([page_v.float(), v.view(n, self.num_kv_heads, d).float()])
+        keys = keys.repeat_interleave(group, dim=1)  # [first + n, H, D]
+        values = values.repeat_interleave(group, dim=1)
+        q = q.view(n, self.num_heads, d).float()
+        rows = torch.arange(n, device=q.device)
+        out = torch.empty_like(q)
+        for lo in range(0, n, _PROBE_ROWS_PER_BLOCK):
+            hi = min(n, lo + _PROBE_ROWS_PER_BLOCK)
+            visible = torch.cat([self.key_valid[None, :].expand(hi - lo, first),
+                                 rows[None, :] <= rows[lo:hi, None]], dim=1)
+            logits = torch.einsum("nhd,khd->hnk", q[lo:hi], keys) * self.scale
+            probs = logits.masked_fill(~visible[None], float("-inf")).softmax(dim=-1)
+            out[lo:hi] = torch.einsum("hnk,khd->nhd", probs, values)
+            scored = self.score_rows[lo:hi]
+            if scored.any():
+                self.peak = torch.maximum(self.peak, probs[:, scored, :first].amax(dim=(0, 1)))
+        return out.to(v.dtype).reshape(n, self.num_heads * d)
+
+
+def question_attention_peaks(model: nn.Module, layers_kv: list[PagedLayerKV],
+                             block_table: torch.Tensor, token_ids: torch.Tensor, first: int,
+                             key_valid: torch.Tensor, score_from: int,
+                             first_scored_layer: int) -> tuple[torch.Tensor, int]:
+    """Probe the pages with the prompt's uncached suffix: ``token_ids`` at positions ``first,
+    first+1, ...`` run every decoder layer attending to the valid page keys ``[0, first)``
+    (``key_valid``, bool per position) and to each other, writing nothing.
+
+    Returns, per page position, the largest attention probability that any head of the layers
+    from ``first_scored_layer`` on gives it from a suffix row at a position ``>= score_from``
+    (the question), and the token-layers run. Upper-layer heads that read a token sharply
+    (retrieval) mark the tokens whose approximate KV matters most for the answer; summed mass
+    would instead favour the many tokens near the question that every head reads a little.
+    """
+    positions = torch.arange(first, first + token_ids.numel(), device=token_ids.device)
+    score_rows = positions >= score_from
+    peak = torch.zeros(first, dtype=torch.float32, device=token_ids.device)
+    layers = decoder_layers(model)
+    with torch.inference_mode():
+        hidden, residual = model.model.embed_input_ids(token_ids), None
+        for index, (layer, paged) in enumerate(zip(layers, layers_kv)):
+            probe = _ProbeAttention(layer.self_attn.attn, paged, block_table, key_valid,
+                                    score_rows)
+            hidden, residual = _run_layer(layer, probe, positions, hidden, residual)
+            if index >= first_scored_layer:
+                peak = torch.maximum(peak, probe.peak)
+    return peak, int(positions.numel()) * len(layers)
+
+
+def _run_layer(layer: nn.Module, stand_in: nn.Module, positions: torch.Tensor,
+               hidden: torch.Tensor, residual: torch.Tensor | None):
+    """One decoder layer with its attention module swapped for ``stand_in``."""
+    original = layer.self_attn.attn
+    layer.self_attn.attn = stand_in
+    try:
+        return layer(positions, hidden, residual)
+    finally:
+        layer.self_attn.attn = original
+
+
 @dataclass
 class RecomputeResult:
     rows_per_layer: list[int]
@@ -130,14 +218,9 @@ def recompute_tokens(model: nn.Module, layers_kv: list[PagedLayerKV], block_tabl
         residual = None
         for index, (layer, paged) in enumerate(zip(layers, layers_kv)):
             select = candidates is not None and index == select_layer
-            original = layer.self_attn.attn
-            stand_in = _PagedRowAttention(original, paged, block_table, positions,
+            stand_in = _PagedRowAttention(layer.self_attn.attn, paged, block_table, positions,
                                           candidates if select else None, ratio)
-            layer.self_attn.attn = stand_in
-            try:
-                hidden, residual = layer(positions, hidden, residual)
-            finally:
-                layer.self_attn.attn = original
+            hidden, residual = _run_layer(layer, stand_in, positions, hidden, residual)
             rows.append(int(positions.numel()))
             if select and stand_in.keep is not None:
                 keep = stand_in.keep

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 FLAG = "--kv-transfer-config kv_connector_extra_config"
-RECOMPUTE_POLICIES = ("none", "epic", "cacheblend")
+RECOMPUTE_POLICIES = ("none", "epic", "cacheblend", "query")
 #: Separators tried, in order, when ``chunk_separator`` is ``"auto"``: special tokens that the
 #: tokenizers of the supported model families keep as one token (file separators of code models).
 AUTO_SEPARATORS = ("<|file_sep|>", "<file_sep>", "<|fim_pad|>")
@@ -44,11 +44,16 @@ class ChunkReuseConfig:
     chunk_separator: str = "auto"
     #: ``none`` (naive reuse), ``epic`` (recompute the first ``epic_tokens`` of every reused
     #: chunk), ``cacheblend`` (recompute layer 0, then the ``recompute_ratio`` of tokens whose
-    #: layer-1 keys deviate most from the loaded ones). The default is the policy that kept
-    #: most of full recompute's accuracy in ``vllm-accel bench chunk-reuse`` (docs/chunk_reuse.md).
-    recompute: str = "cacheblend"
+    #: layer-1 keys deviate most from the loaded ones), ``query`` (the question probes the loaded
+    #: pages first; the tokens its upper-layer heads read most sharply, with ``query_window``
+    #: neighbours each, up to ``recompute_ratio`` of the reused tokens, run every layer). The
+    #: default is the policy that kept most of full recompute's accuracy at >= 3x TTFT in
+    #: ``vllm-accel bench chunk-reuse`` (docs/chunk_reuse.md).
+    recompute: str = "query"
     epic_tokens: int = 16
     recompute_ratio: float = 0.15
+    #: ``query``: neighbours on either side recomputed with each chosen token.
+    query_window: int = 4
     #: APE (``kv_connector/ape.py``): the question's and generated tokens' attention over the
     #: loaded chunk tokens uses logits / ``attention_temperature`` and weighs the chunk segment
     #: by ``attention_scale``; both 1 (default): ordinary attention, no extra work.
@@ -80,6 +85,8 @@ class ChunkReuseConfig:
             bad["recompute"] = f"must be one of {', '.join(RECOMPUTE_POLICIES)}"
         if not 0 <= self.epic_tokens <= 4096:
             bad["epic_tokens"] = "must be in [0, 4096]"
+        if not 0 <= self.query_window <= 256:
+            bad["query_window"] = "must be in [0, 256]"
         if not 0.0 <= self.recompute_ratio <= 1.0:
             bad["recompute_ratio"] = "must be in [0, 1]"
         for name in ("attention_temperature", "attention_scale"):

@@ -19,6 +19,7 @@ The connector implements ``SupportsHMA`` so vLLM keeps its hybrid allocator on.
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -56,6 +57,7 @@ from vllm_accel.kv_connector.planner import (
     approx_start,
     chunks_to_save,
     plan_reuse,
+    windows_by_rank,
 )
 from vllm_accel.kv_connector.separator import resolve_separator
 from vllm_accel.kv_connector.stores import shared_store
@@ -84,6 +86,10 @@ class RequestLoad:
     forced: list[int]
     epic: list[int]
     candidates: list[int]
+    #: ``recompute=query`` only: the prompt tokens after the claim (they probe the pages) and
+    #: where the question starts (the end of the last chunk).
+    suffix_ids: list[int] = field(default_factory=list)
+    question_start: int = 0
 
 
 @dataclass
@@ -270,10 +276,13 @@ class ChunkReuseConnector(KVConnectorBase_V1, SupportsHMA):
             plan, request = state.plan, state.request
             if state.load_pending and plan is not None:
                 state.load_pending = False
-                meta.loads.append(RequestLoad(
-                    req_id, self._block_ids(req_id),
-                    list(request.prompt_token_ids[:plan.claim_end]), plan.loads, plan.forced,
-                    plan.epic, plan.candidates))
+                load = RequestLoad(req_id, self._block_ids(req_id),
+                                   list(request.prompt_token_ids[:plan.claim_end]), plan.loads,
+                                   plan.forced, plan.epic, plan.candidates)
+                if self.config.recompute == "query":
+                    load.suffix_ids = list(request.prompt_token_ids[plan.claim_end:])
+                    load.question_start = max(c.span.end for c in plan.chunks)
+                meta.loads.append(load)
                 self.counters.add("reused_requests")
                 self.counters.add("claimed_tokens", plan.num_external)
                 self.counters.add("hit_tokens", plan.loaded_tokens)
@@ -407,6 +416,9 @@ class ChunkReuseConnector(KVConnectorBase_V1, SupportsHMA):
             chosen = set(ok)
             candidates = torch.tensor([p in chosen for p in rows], dtype=torch.bool,
                                       device=device)
+        elif policy == "query":
+            rows = sorted(set(forced) | set(self._query_choice(model, layers, block_table, req,
+                                                               forced, failed)))
         elif policy == "epic":
             rows = sorted(set(forced) | set(req.epic))
         else:
@@ -421,6 +433,30 @@ class ChunkReuseConnector(KVConnectorBase_V1, SupportsHMA):
         self.counters.add("recompute_token_layers", result.token_layers)
         self.counters.add("claimed_token_layers", (len(req.token_ids) - _first_claimed(req))
                           * len(layers))
+
+    def _query_choice(self, model: torch.nn.Module, layers: list[PagedLayerKV],
+                      block_table: torch.Tensor, req: RequestLoad, forced: list[int],
+                      failed: set[int]) -> list[int]:
+        """``recompute=query``: the loaded approximate tokens that the question's upper-layer
+        heads read most sharply, with their ``query_window`` neighbours, up to
+        ``recompute_ratio`` of them. The probe runs before anything is recomputed; the
+        positions still to compute are masked out of it."""
+        ok = [p for p in req.candidates if p not in failed]
+        budget = math.ceil(self.config.recompute_ratio * len(ok))
+        if budget == 0 or not req.suffix_ids:
+            return []
+        device = block_table.device
+        key_valid = torch.ones(len(req.token_ids), dtype=torch.bool, device=device)
+        if forced:
+            key_valid[torch.tensor(forced, dtype=torch.long, device=device)] = False
+        peaks, token_layers = blend.question_attention_peaks(
+            model, layers, block_table,
+            torch.tensor(req.suffix_ids, dtype=torch.long, device=device), len(req.token_ids),
+            key_valid, req.question_start, first_scored_layer=len(layers) // 2)
+        self.counters.add("recompute_token_layers", token_layers)
+        ok_positions = torch.tensor(ok, dtype=torch.long, device=device)
+        ranked = ok_positions[torch.argsort(peaks[ok_positions], descending=True)].tolist()
+        return windows_by_rank(ranked, set(ok), budget, self.config.query_window)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return

@@ -9,7 +9,8 @@ claim, every token comes from one of three places:
 * a **loaded** chunk (stored KV, keys re-rotated to the new positions);
 * **recompute**: tokens the connector computes itself before the forward (every token of a
   chunk the store lacks, plus the policy's choice: EPIC's first ``k`` tokens of each loaded
-  chunk, or CacheBlend's most-deviating tokens, chosen on the worker at layer 1);
+  chunk, CacheBlend's most-deviating tokens, chosen on the worker at layer 1, or the tokens the
+  question reads most, chosen on the worker by probing the pages with it: ``windows_by_rank``);
 * the local prefix hit below ``local`` (vLLM's own exact KV), untouched.
 
 Everything from ``claim_end`` on (the question, at least one token) is computed by vLLM as usual.
@@ -101,3 +102,21 @@ def chunks_to_save(chunks: list[PlannedChunk], saved: set[str],
     saved or planned for this request."""
     return [c for c in chunks
             if not c.stored and c.key not in saved and c.span.end <= computed_after_step]
+
+
+def windows_by_rank(ranked: list[int], allowed: set[int], budget: int,
+                    window: int) -> list[int]:
+    """``recompute=query``'s choice: walk ``ranked`` (positions, best first) and take each with
+    its ``window`` neighbours on either side, keeping only ``allowed`` positions, until
+    ``budget`` positions are taken (the last window may be cut). A token's neighbours carry
+    the phrase it belongs to, so a sharply read token is recomputed with its context."""
+    chosen: set[int] = set()
+    for seed in ranked:
+        if len(chosen) >= budget:
+            break
+        if seed in chosen:
+            continue
+        for p in sorted(range(seed - window, seed + window + 1), key=lambda p: abs(p - seed)):
+            if p in allowed and p not in chosen and len(chosen) < budget:
+                chosen.add(p)
+    return sorted(chosen)

@@ -150,14 +150,15 @@ def test_ratios_quality_table_and_plot(tmp_path):
     _, work = _build()
     eos = frozenset({0})
     blend_counters = chunk_reuse.connector_counters(LOG)
+    default = chunk_reuse.DEFAULT_POLICY
     sides = {
         "full": chunk_reuse.summarize_side(_fake_raw(work, 2.0, True), work, _decode, eos),
         "prefix_cache": chunk_reuse.summarize_side(_fake_raw(work, 1.6, True, 512), work,
                                                    _decode, eos),
         "naive": chunk_reuse.summarize_side(_fake_raw(work, 0.4, False), work, _decode, eos,
                                             {"scheduler": {"reused_requests": 10}}),
-        "cacheblend": chunk_reuse.summarize_side(_fake_raw(work, 0.5, True), work, _decode, eos,
-                                                 blend_counters),
+        default: chunk_reuse.summarize_side(_fake_raw(work, 0.5, True), work, _decode, eos,
+                                            blend_counters),
     }
     # tokens after EOS (98) are not part of the answer
     assert all("98" not in a["output"] for a in sides["full"]["answers"])
@@ -169,8 +170,8 @@ def test_ratios_quality_table_and_plot(tmp_path):
     assert ratios["ttft_speedup"] == pytest.approx(4.0)
     assert ratios["ttft_speedup_by_side"] == {"prefix_cache": pytest.approx(1.25),
                                               "naive": pytest.approx(5.0),
-                                              "cacheblend": pytest.approx(4.0)}
-    assert ratios["ttft_speedup_by_num_chunks"][4]["cacheblend"] == pytest.approx(4.0)
+                                              default: pytest.approx(4.0)}
+    assert ratios["ttft_speedup_by_num_chunks"][4][default] == pytest.approx(4.0)
     assert quality["accuracy_full"] == 1.0 and quality["accuracy_reuse"] == 1.0
     assert quality["accuracy_naive"] == 0.0 and quality["accuracy_prefix_cache"] == 1.0
     assert quality["accuracy_by_num_chunks"][4]["naive"] == 0.0
@@ -180,8 +181,8 @@ def test_ratios_quality_table_and_plot(tmp_path):
               "sides": sides, "ratios": ratios, "quality": quality, "date": "today",
               "load_average": {"before": 1.5, "after": 2.0}}
     text = chunk_reuse.table(result)
-    assert "cacheblend 4.00x" in text and "5.4%" in text and "load average 1.5" in text
-    assert "accuracy: full 100%, cacheblend (default policy) 100%" in text
+    assert f"{default} 4.00x" in text and "5.4%" in text and "load average 1.5" in text
+    assert f"accuracy: full 100%, {default} (default policy) 100%" in text
     json.dumps(result)
     pytest.importorskip("matplotlib")
     chunk_reuse.write_plot(result, tmp_path / "p.png")

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from vllm_accel.kernels.rope_rerotate import apply_rope, rope_cos_sin_cache
-from vllm_accel.kv_connector.blend import recompute_tokens
+from vllm_accel.kv_connector.blend import question_attention_peaks, recompute_tokens
 from vllm_accel.kv_connector.paged_kv import PagedLayerKV
 
 H, HKV, D, HIDDEN, LAYERS, PAGE = 4, 2, 8, 32, 3, 16
@@ -52,7 +52,7 @@ class _DenseAttn(nn.Module):
     def __init__(self):
         super().__init__()
         self.impl = type("Impl", (), {"scale": D ** -0.5})()
-        self.recorded = None
+        self.recorded = self.probs = None
 
     def forward(self, q, k, v):
         n = q.shape[0]
@@ -60,6 +60,9 @@ class _DenseAttn(nn.Module):
         qh = q.view(n, H, D).transpose(0, 1)
         kh = k.view(n, HKV, D).transpose(0, 1).repeat_interleave(H // HKV, 0)
         vh = v.view(n, HKV, D).transpose(0, 1).repeat_interleave(H // HKV, 0)
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        self.probs = ((qh @ kh.transpose(1, 2)) * self.impl.scale).masked_fill(
+            ~causal, float("-inf")).softmax(-1)  # [H, n, n]
         out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True,
                                                                scale=self.impl.scale)
         return out.transpose(0, 1).reshape(n, H * D)
@@ -113,10 +116,12 @@ def setup():
     positions = torch.arange(n)
     with torch.no_grad():
         hidden, residual = model.model.embed_input_ids(tokens), None
-        reference = []
+        reference, probs = [], []
         for layer in model.model.layers:
             hidden, residual = layer(positions, hidden, residual)
             reference.append(layer.self_attn.attn.recorded)
+            probs.append(layer.self_attn.attn.probs)
+    model.dense_probs = probs
     num_pages = 8
     caches = [torch.randn(num_pages, HKV, PAGE, 2 * D) for _ in range(LAYERS)]  # garbage
     layers_kv = [PagedLayerKV(c, PAGE, cpu_isa="plain") for c in caches]
@@ -190,3 +195,44 @@ def test_cacheblend_ratio_one_recomputes_everything(setup):
                               candidates=candidates, ratio=1.0)
     assert result.rows_per_layer == [70] * LAYERS
     _assert_pages_match(layers_kv, block_table, reference, positions)
+
+
+def test_query_probe_reads_the_questions_attention_over_exact_pages(setup):
+    """With exact KV in the pages, the probe of the suffix is the dense forward: each page
+    position's peak is the largest dense attention probability a question row gives it in the
+    scored layers, and nothing is written."""
+    model, tokens, reference, layers_kv, block_table = setup
+    first, score_from = 52, 58  # pages hold [0, 52); rows 52..57 end a chunk, 58.. the question
+    _fill(layers_kv, block_table, reference, torch.arange(first))
+    valid = torch.ones(first, dtype=torch.bool)
+    for first_scored in (0, LAYERS - 1):
+        peaks, token_layers = question_attention_peaks(
+            model, layers_kv, block_table, tokens[first:], first, valid, score_from, first_scored)
+        expected = torch.stack([p[:, score_from:, :first].amax(dim=(0, 1))
+                                for p in model.dense_probs[first_scored:]]).amax(dim=0)
+        torch.testing.assert_close(peaks, expected, atol=1e-5, rtol=1e-4)
+    assert token_layers == (len(tokens) - first) * LAYERS
+    _assert_pages_match(layers_kv, block_table, reference, torch.arange(first))
+
+
+def test_query_probe_ignores_invalid_page_keys(setup):
+    """Positions still to compute hold garbage: masked out, they get no attention and do not
+    change what the question reads elsewhere (the check can fail: unmasked, the garbage is
+    read)."""
+    model, tokens, reference, layers_kv, block_table = setup
+    first = 52
+
+    def probe(valid):
+        return question_attention_peaks(model, layers_kv, block_table, tokens[first:], first,
+                                        valid, first, 0)[0]
+
+    _fill(layers_kv, block_table, reference, torch.arange(first))
+    valid = torch.ones(first, dtype=torch.bool)
+    clean = probe(valid)
+    garbage = torch.arange(20, 30)
+    for paged in layers_kv:
+        paged.write(block_table, garbage, torch.randn(10, HKV, D) * 50, torch.randn(10, HKV, D))
+    assert not torch.allclose(probe(valid), clean, atol=1e-3)
+    valid[garbage] = False
+    masked = probe(valid)
+    assert torch.all(masked[garbage] == 0)

@@ -19,6 +19,7 @@ from vllm_accel.kv_connector.planner import (
     approx_start,
     chunks_to_save,
     plan_reuse,
+    windows_by_rank,
 )
 
 S = 9  # separator id
@@ -96,7 +97,7 @@ def test_chunks_to_save_waits_for_complete_chunks():
 
 
 def test_config_errors_name_the_knob():
-    assert parse_config({}).recompute == "cacheblend"
+    assert parse_config({}).recompute == "query"
     assert parse_config({"stores": "memory", "recompute": "cacheblend"}).stores == ("memory",)
     for bad, name in [({"recompute": "all"}, "recompute"), ({"recompute_ratio": 2}, "ratio"),
                       ({"epic_tokens": 1.5}, "epic_tokens"), ({"stores": []}, "stores"),
@@ -135,3 +136,14 @@ def test_retagging_moves_blended_blocks_off_the_exact_chain():
     assert all(new != old for new, old in zip(request.block_hashes[2:], original[2:]))
     assert len(set(request.block_hashes)) == 5
     assert all(isinstance(h, bytes) and len(h) == 32 for h in request.block_hashes)
+
+
+def test_query_windows_take_ranked_tokens_with_neighbours_up_to_the_budget():
+    allowed = set(range(10, 100))
+    # 50 first: 46..54; then 12: 10..16 (8, 9 are not allowed); 53 is already taken; then 90
+    assert windows_by_rank([50, 12, 53, 90], allowed, 100, 4) == [*range(10, 17),
+                                                                  *range(46, 55), *range(86, 95)]
+    # the budget cuts the last window, keeping the positions nearest its seed
+    assert windows_by_rank([50, 90], allowed, 12, 4) == [*range(46, 55), 89, 90, 91]
+    assert windows_by_rank([50], allowed, 0, 4) == []
+    assert windows_by_rank([50, 60], allowed, 3, 0) == [50, 60]

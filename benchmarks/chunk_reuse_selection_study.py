@@ -1,0 +1,128 @@
+"""Which recomputed tokens make chunk reuse answer right? (development study, not a test)
+
+Runs the ``bench chunk-reuse`` workload (:mod:`vllm_accel.bench.chunk_reuse_workload`) in one
+in-process engine with ``ChunkReuseConnector`` and, for every measured question, answers it once
+per *selection mode*, a mode being the set of reused tokens recomputed in every layer:
+
+* ``all`` — every reused token (equals full recompute; the reference accuracy);
+* ``none`` — nothing (naive reuse);
+* ``query`` / ``query@R`` — the connector's ``recompute=query`` choice at ``recompute_ratio`` R
+  (default 0.15);
+* ``facts`` — oracle: the inserted fact sentence of every document (4 tokens before it, 16 from
+  its start), nothing else;
+* ``first`` — the first 16 tokens of every document (EPIC's choice);
+* ``target`` / ``nontarget`` — oracle: the documents the answer needs / all the others.
+
+Usage (about 10 s per question and mode for Qwen2.5-Coder-0.5B on 2 cores)::
+
+    python benchmarks/chunk_reuse_selection_study.py --modes all,none,query,facts \\
+        --questions 16 --seed 0
+
+The modes replace the connector's ``_query_choice`` (the engine runs with ``recompute=query``),
+so every mode goes through the same load, re-rotation and recompute path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the worker in this process
+
+from vllm_accel.bench import chunk_reuse_workload as workload  # noqa: E402
+from vllm_accel.kv_connector import connector as connector_mod  # noqa: E402
+from vllm_accel.models.fetch import model_path  # noqa: E402
+
+_STATE: dict = {}
+_query_choice = connector_mod.ChunkReuseConnector._query_choice
+
+
+def _choice(self, model, layers, block_table, req, forced, failed):
+    mode, spans = _STATE["mode"], _STATE["spans"]
+    allowed = set(req.candidates) - failed
+    if mode.startswith("query"):
+        ratio = float(mode.partition("@")[2] or self.config.recompute_ratio)
+        saved, self.config = self.config, dataclasses.replace(self.config,
+                                                              recompute_ratio=ratio)
+        try:
+            return _query_choice(self, model, layers, block_table, req, forced, failed)
+        finally:
+            self.config = saved
+    chosen: set[int] = set()
+    if mode == "all":
+        chosen = allowed
+    elif mode == "facts":
+        for f in _STATE["facts"]:
+            chosen |= set(range(f - 4, f + 16))
+    elif mode == "first":
+        for start, _ in spans:
+            chosen |= set(range(start, start + 16))
+    elif mode in ("target", "nontarget"):
+        for j, (start, end) in enumerate(spans):
+            if (j in _STATE["targets"]) == (mode == "target"):
+                chosen |= set(range(start, end))
+    elif mode != "none":
+        raise SystemExit(f"unknown mode {mode!r}")
+    return sorted(chosen & allowed)
+
+
+def _fact_offset(tokenizer, ids: list[int]) -> int:
+    for k in range(len(ids)):
+        if tokenizer.decode(ids[k:k + 6]).strip().startswith("The access code"):
+            return k
+    raise ValueError("no fact sentence in the document")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
+    parser.add_argument("--modes", default="all,none,query,facts")
+    parser.add_argument("--questions", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    args = parser.parse_args()
+    modes = args.modes.split(",")
+
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    connector_mod.ChunkReuseConnector._query_choice = _choice
+    model_dir = str(model_path(args.model))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    work = workload.build(tokenizer, [8], 512, args.questions, max(1, args.questions // 4),
+                          seed=args.seed)
+    llm = LLM(model=model_dir, dtype="float32", enforce_eager=True,
+              max_model_len=work.max_prompt_tokens + 64, enable_prefix_caching=False,
+              gpu_memory_utilization=args.gpu_memory_utilization,
+              kv_transfer_config={
+                  "kv_connector": "ChunkReuseConnector",
+                  "kv_connector_module_path": "vllm_accel.kv_connector", "kv_role": "kv_both",
+                  "kv_connector_extra_config": {"recompute": "query", "log_interval_s": 600}})
+    _STATE.update(mode="none", spans=[], facts=[], targets=[])
+    for prompt in work.warmup:  # fills the store
+        llm.generate([{"prompt_token_ids": list(prompt)}], SamplingParams(max_tokens=1),
+                     use_tqdm=False)
+    facts = [_fact_offset(tokenizer, list(d.token_ids)) for d in work.documents]
+    greedy = SamplingParams(max_tokens=16, temperature=0)
+    right = dict.fromkeys(modes, 0)
+    for q in work.questions:
+        prompt = list(q.prompt)
+        seps = [i for i, t in enumerate(prompt) if t == work.separator_id]
+        spans = [(seps[j], seps[j + 1]) for j in range(len(q.order))]
+        _STATE.update(spans=spans, facts=[seps[j] + 1 + facts[d] for j, d in enumerate(q.order)],
+                      targets=[q.order.index(t) for t in q.targets])
+        line = []
+        for mode in modes:
+            _STATE["mode"] = mode
+            text = llm.generate([{"prompt_token_ids": prompt}], greedy,
+                                use_tqdm=False)[0].outputs[0].text
+            ok = workload.score(q.expected, text)
+            right[mode] += ok
+            line.append(f"{mode}:{'Y' if ok else 'n'} {text.strip()[:14]!r}")
+        print(f"{q.expected} at {_STATE['targets']}: " + "  ".join(line), flush=True)
+    print("right answers of", len(work.questions), right)
+
+
+if __name__ == "__main__":
+    main()
