@@ -5,9 +5,10 @@ prompt saves the chunks, the later ones reuse them at new offsets. Checks: with 
 token recomputed (``cacheblend`` at ratio 1.0) and APE attention at a temperature of ~1 the
 output is token-identical to no reuse, so loading, re-rotation, the recompute path and APE's
 attention over the pages are exact; so is ``query`` at ratio 1.0 (its probe of the pages by the
-question writes nothing); EPIC answers correctly while recomputing a small fraction; an unreachable store and a different cache salt
-give exactly the no-reuse behaviour, and a second engine reuses, through Redis, the chunks the
-first saved for the same tenant; chunked prefill with prefix caching still answers.
+question writes nothing); EPIC answers correctly while recomputing a small fraction; an
+unreachable store and a different cache salt give exactly the no-reuse behaviour, and a second
+engine reuses, through Redis, the chunks the first saved for the same tenant; chunked prefill
+with prefix caching still answers.
 """
 
 from __future__ import annotations
