@@ -28,8 +28,8 @@ last ``chunk reuse (worker|scheduler)`` lines of the engine log): the recompute 
 ``ratios.ttft_speedup`` is median TTFT(full) / median TTFT(default policy's side) at the largest
 document count (``ratios.headline_num_chunks``); ``ratios.ttft_speedup_by_side`` has every side's.
 ``quality.accuracy_full`` / ``quality.accuracy_reuse`` (default policy) and
-``quality.accuracy_<side>`` are
-the fractions of measured questions answered right. All from the same run.
+``quality.accuracy_<side>`` are the fractions of measured questions answered right. All from the
+same run.
 """
 
 from __future__ import annotations
