@@ -38,15 +38,15 @@ _STATE: dict = {}
 _query_choice = connector_mod.ChunkReuseConnector._query_choice
 
 
-def _choice(self, model, layers, block_table, req, forced, failed):
+def _choice(self, model, layers, block_table, req, forced, loaded):
     mode, spans = _STATE["mode"], _STATE["spans"]
-    allowed = set(req.candidates) - failed
+    allowed = set(loaded)
     if mode.startswith("query"):
         ratio = float(mode.partition("@")[2] or self.config.recompute_ratio)
         saved, self.config = self.config, dataclasses.replace(self.config,
                                                               recompute_ratio=ratio)
         try:
-            return _query_choice(self, model, layers, block_table, req, forced, failed)
+            return _query_choice(self, model, layers, block_table, req, forced, loaded)
         finally:
             self.config = saved
     chosen: set[int] = set()

@@ -133,31 +133,32 @@ class _ProbeAttention(nn.Module):
                                          torch.arange(first, device=q.device))
         keys = torch.cat([page_k.float(), k.view(n, self.num_kv_heads, d).float()])
         values = torch.cat([page_v.float(), v.view(n, self.num_kv_heads, d).float()])
-        keys = keys.repeat_interleave(group, dim=1)  # [first + n, H, D]
-        values = values.repeat_interleave(group, dim=1)
-        q = q.view(n, self.num_heads, d).float()
+        # query head h * group + g reads kv head h (GQA), without copying keys per query head
+        q = q.view(n, self.num_kv_heads, group, d).float()
         rows = torch.arange(n, device=q.device)
         out = torch.empty_like(q)
         for lo in range(0, n, _PROBE_ROWS_PER_BLOCK):
             hi = min(n, lo + _PROBE_ROWS_PER_BLOCK)
             visible = torch.cat([self.key_valid[None, :].expand(hi - lo, first),
                                  rows[None, :] <= rows[lo:hi, None]], dim=1)
-            logits = torch.einsum("nhd,khd->hnk", q[lo:hi], keys) * self.scale
-            probs = logits.masked_fill(~visible[None], float("-inf")).softmax(dim=-1)
-            out[lo:hi] = torch.einsum("hnk,khd->nhd", probs, values)
+            logits = torch.einsum("nhgd,khd->hgnk", q[lo:hi], keys) * self.scale
+            probs = logits.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+            out[lo:hi] = torch.einsum("hgnk,khd->nhgd", probs, values)
             scored = self.score_rows[lo:hi]
             if scored.any():
-                self.peak = torch.maximum(self.peak, probs[:, scored, :first].amax(dim=(0, 1)))
+                self.peak = torch.maximum(self.peak,
+                                          probs[:, :, scored, :first].amax(dim=(0, 1, 2)))
         return out.to(v.dtype).reshape(n, self.num_heads * d)
 
 
 def question_attention_peaks(model: nn.Module, layers_kv: list[PagedLayerKV],
-                             block_table: torch.Tensor, token_ids: torch.Tensor, first: int,
+                             block_table: torch.Tensor, token_ids: torch.Tensor,
                              key_valid: torch.Tensor, score_from: int,
                              first_scored_layer: int) -> tuple[torch.Tensor, int]:
     """Probe the pages with the prompt's uncached suffix: ``token_ids`` at positions ``first,
-    first+1, ...`` run every decoder layer attending to the valid page keys ``[0, first)``
-    (``key_valid``, bool per position) and to each other, writing nothing.
+    first+1, ...`` (``first = key_valid.numel()``) run every decoder layer attending to the
+    valid page keys ``[0, first)`` (``key_valid``, bool per position) and to each other,
+    writing nothing.
 
     Returns, per page position, the largest attention probability that any head of the layers
     from ``first_scored_layer`` on gives it from a suffix row at a position ``>= score_from``
@@ -165,6 +166,7 @@ def question_attention_peaks(model: nn.Module, layers_kv: list[PagedLayerKV],
     (retrieval) mark the tokens whose approximate KV matters most for the answer; summed mass
     would instead favour the many tokens near the question that every head reads a little.
     """
+    first = key_valid.numel()
     positions = torch.arange(first, first + token_ids.numel(), device=token_ids.device)
     score_rows = positions >= score_from
     peak = torch.zeros(first, dtype=torch.float32, device=token_ids.device)

@@ -399,26 +399,25 @@ class ChunkReuseConnector(KVConnectorBase_V1, SupportsHMA):
             self.counters.add("loaded_tokens", load.count)
         forced += sorted(failed)
         self.counters.add("forced_tokens", len(forced))
-        self._recompute(model, layers, block_table, req, forced, failed)
+        loaded = [p for p in req.candidates if p not in failed]  # loaded approximate tokens
+        self._recompute(model, layers, block_table, req, forced, loaded)
         if self._ape is not None:
-            self._ape.record(req.req_id, [p for p in req.candidates if p not in failed],
-                             len(req.token_ids))
+            self._ape.record(req.req_id, loaded, len(req.token_ids))
         self.counters.add("load_seconds", time.perf_counter() - started)
 
     def _recompute(self, model: torch.nn.Module, layers: list[PagedLayerKV],
                    block_table: torch.Tensor, req: RequestLoad, forced: list[int],
-                   failed: set[int]) -> None:
+                   loaded: list[int]) -> None:
         policy, device = self.config.recompute, block_table.device
         candidates: torch.Tensor | None = None
         if policy == "cacheblend":
-            ok = [p for p in req.candidates if p not in failed]
-            rows = sorted(set(forced) | set(ok))
-            chosen = set(ok)
+            rows = sorted(set(forced) | set(loaded))
+            chosen = set(loaded)
             candidates = torch.tensor([p in chosen for p in rows], dtype=torch.bool,
                                       device=device)
         elif policy == "query":
             rows = sorted(set(forced) | set(self._query_choice(model, layers, block_table, req,
-                                                               forced, failed)))
+                                                               forced, loaded)))
         elif policy == "epic":
             rows = sorted(set(forced) | set(req.epic))
         else:
@@ -436,13 +435,12 @@ class ChunkReuseConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _query_choice(self, model: torch.nn.Module, layers: list[PagedLayerKV],
                       block_table: torch.Tensor, req: RequestLoad, forced: list[int],
-                      failed: set[int]) -> list[int]:
-        """``recompute=query``: the loaded approximate tokens that the question's upper-layer
-        heads read most sharply, with their ``query_window`` neighbours, up to
+                      loaded: list[int]) -> list[int]:
+        """``recompute=query``: the ``loaded`` approximate tokens that the question's
+        upper-layer heads read most sharply, with their ``query_window`` neighbours, up to
         ``recompute_ratio`` of them. The probe runs before anything is recomputed; the
-        positions still to compute are masked out of it."""
-        ok = [p for p in req.candidates if p not in failed]
-        budget = math.ceil(self.config.recompute_ratio * len(ok))
+        positions still to compute (``forced``) are masked out of it."""
+        budget = math.ceil(self.config.recompute_ratio * len(loaded))
         if budget == 0 or not req.suffix_ids:
             return []
         device = block_table.device
@@ -451,12 +449,12 @@ class ChunkReuseConnector(KVConnectorBase_V1, SupportsHMA):
             key_valid[torch.tensor(forced, dtype=torch.long, device=device)] = False
         peaks, token_layers = blend.question_attention_peaks(
             model, layers, block_table,
-            torch.tensor(req.suffix_ids, dtype=torch.long, device=device), len(req.token_ids),
-            key_valid, req.question_start, first_scored_layer=len(layers) // 2)
+            torch.tensor(req.suffix_ids, dtype=torch.long, device=device), key_valid,
+            req.question_start, first_scored_layer=len(layers) // 2)
         self.counters.add("recompute_token_layers", token_layers)
-        ok_positions = torch.tensor(ok, dtype=torch.long, device=device)
-        ranked = ok_positions[torch.argsort(peaks[ok_positions], descending=True)].tolist()
-        return windows_by_rank(ranked, set(ok), budget, self.config.query_window)
+        positions = torch.tensor(loaded, dtype=torch.long, device=device)
+        ranked = positions[torch.argsort(peaks[positions], descending=True)].tolist()
+        return windows_by_rank(ranked, set(loaded), budget, self.config.query_window)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return

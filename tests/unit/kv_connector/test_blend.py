@@ -207,7 +207,7 @@ def test_query_probe_reads_the_questions_attention_over_exact_pages(setup):
     valid = torch.ones(first, dtype=torch.bool)
     for first_scored in (0, LAYERS - 1):
         peaks, token_layers = question_attention_peaks(
-            model, layers_kv, block_table, tokens[first:], first, valid, score_from, first_scored)
+            model, layers_kv, block_table, tokens[first:], valid, score_from, first_scored)
         expected = torch.stack([p[:, score_from:, :first].amax(dim=(0, 1))
                                 for p in model.dense_probs[first_scored:]]).amax(dim=0)
         torch.testing.assert_close(peaks, expected, atol=1e-5, rtol=1e-4)
@@ -223,8 +223,8 @@ def test_query_probe_ignores_invalid_page_keys(setup):
     first = 52
 
     def probe(valid):
-        return question_attention_peaks(model, layers_kv, block_table, tokens[first:], first,
-                                        valid, first, 0)[0]
+        return question_attention_peaks(model, layers_kv, block_table, tokens[first:], valid,
+                                        first, 0)[0]
 
     _fill(layers_kv, block_table, reference, torch.arange(first))
     valid = torch.ones(first, dtype=torch.bool)
