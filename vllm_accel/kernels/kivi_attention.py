@@ -56,6 +56,7 @@ from vllm_accel.kernels.kivi_cache import (
 )
 from vllm_accel.kernels.kivi_cpu import decode_attention
 from vllm_accel.kernels.kivi_format import KiviLayout, KiviViews
+from vllm_accel.kernels.kivi_prefill_cpu import prefill_attention
 
 if HAS_TRITON:
     from vllm_accel.kernels.kivi_cache import _unpack_tile
@@ -68,8 +69,16 @@ _LOG2E = 1.4426950408889634
 # ---------------------------------------------------------------------------------------------
 # Torch reference
 # ---------------------------------------------------------------------------------------------
+def _own_rows(chunk_kv, min_rows, q0, q1):
+    """This sequence's rows of the step's own K/V, when its chunk attends to them."""
+    if chunk_kv is None or q1 - q0 < min_rows:
+        return None
+    return chunk_kv[0][q0:q1], chunk_kv[1][q0:q1]
+
+
 def _attention_torch(
-    query, cache, block_table, seq_lens, qsl, scale, layout, k_tail, tail_index, out, skip=()
+    query, cache, block_table, seq_lens, qsl, scale, layout, k_tail, tail_index, out, skip=(),
+    chunk_kv=None, chunk_kv_min_rows=2,
 ):
     sl = seq_lens.tolist()
     starts = qsl.tolist()
@@ -86,6 +95,9 @@ def _attention_torch(
         k, v = gather_sequence_kv(
             cache, block_table[i], L, layout, k_tail=k_tail, tail_entry=tails[i], backend="torch"
         )
+        own = _own_rows(chunk_kv, chunk_kv_min_rows, q0, q1)
+        if own is not None:
+            k[L - lq:], v[L - lq:] = own[0].float(), own[1].float()
         q = query[q0:q1].float().transpose(0, 1).unsqueeze(0)  # [1, Hq, lq, D]
         kk = k.transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
         vv = v.transpose(0, 1).unsqueeze(0)
@@ -641,6 +653,8 @@ def kivi_paged_attention(
     num_stages: int = 2,
     fold: bool = True,
     backend: str = "auto",
+    chunk_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    chunk_kv_min_rows: int = 2,
 ) -> torch.Tensor:
     """Causal varlen GQA attention over the KIVI paged cache.
 
@@ -665,7 +679,13 @@ def kivi_paged_attention(
             scale into the softmax weights instead of dequantizing every element (see above).
         backend: ``auto`` (Triton on CUDA; on CPU ``native`` when the extension is built,
             else ``torch``), ``torch``, ``triton`` or ``native`` (decode rows through
-            :mod:`vllm_accel.kernels.kivi_cpu`, the other rows through the torch path).
+            :mod:`vllm_accel.kernels.kivi_cpu`, prefill rows through
+            :mod:`vllm_accel.kernels.kivi_prefill_cpu`).
+        chunk_kv: this step's unquantized ``(key, value)`` ``[T, H_kv, D]`` (rows aligned with
+            ``query``). Sequences with at least ``chunk_kv_min_rows`` query rows (prefill
+            chunks) attend to them for their own positions and to the cache for their context,
+            as KIVI's reference does in prefill; the others (decode and draft-verification rows)
+            read everything from the cache. CPU backends only.
     Returns ``out``.
     """
     t_n, hq, d = query.shape
@@ -688,7 +708,13 @@ def kivi_paged_attention(
     if out is None:
         out = torch.zeros_like(query)
     backend = resolve_backend(backend, query.device, layout)
+    if chunk_kv is not None and chunk_kv_min_rows < 2:
+        raise ValueError("kivi_paged_attention: chunk_kv_min_rows must be >= 2 (decode rows "
+                         "read their own key from the tail and their value from the cache)")
     if backend == "triton":
+        if chunk_kv is not None:
+            raise NotImplementedError("kivi_paged_attention: chunk_kv is not supported by the "
+                                      "Triton kernel yet")
         if query.stride(2) != 1 or out.stride(2) != 1:
             raise ValueError("kivi_paged_attention: query/out need a contiguous last dimension")
         return _attention_triton(
@@ -717,10 +743,36 @@ def kivi_paged_attention(
             query, cache, block_table, seq_lens, query_start_loc, scale, layout, k_tail,
             tail_index, out, max_query_len
         )
+        return _attention_split_prefill(
+            query, cache, block_table, seq_lens, query_start_loc, scale, layout, k_tail,
+            tail_index, out, native_rows, chunk_kv, chunk_kv_min_rows
+        )
     return _attention_torch(
         query, cache, block_table, seq_lens, query_start_loc, scale, layout, k_tail, tail_index,
-        out, skip=native_rows
+        out, chunk_kv=chunk_kv, chunk_kv_min_rows=chunk_kv_min_rows
     )
+
+
+def _attention_split_prefill(
+    query, cache, block_table, seq_lens, qsl, scale, layout, k_tail, tail_index, out, skip,
+    chunk_kv, chunk_kv_min_rows
+):
+    """The rows not in ``skip`` (prefill chunks) through :mod:`kivi_prefill_cpu`."""
+    sl = seq_lens.tolist()
+    starts = qsl.tolist()
+    tails = tail_index.tolist() if tail_index is not None else [None] * len(sl)
+    for i, L in enumerate(sl):
+        q0, q1 = starts[i], starts[i + 1]
+        if q1 <= q0 or i in skip:
+            continue
+        if L <= 0:
+            out[q0:q1] = 0
+            continue
+        out[q0:q1] = prefill_attention(
+            query[q0:q1], cache, block_table[i], L, scale, layout, k_tail=k_tail,
+            tail_entry=tails[i], chunk_kv=_own_rows(chunk_kv, chunk_kv_min_rows, q0, q1),
+        ).to(out.dtype)
+    return out
 
 
 def _attention_native_decode(

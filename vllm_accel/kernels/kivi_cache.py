@@ -832,26 +832,33 @@ def gather_sequence_kv(
     k_tail: torch.Tensor | None = None,
     tail_entry: int | None = None,
     backend: str = "auto",
+    length: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K, V ``[seq_len, H_kv, D]`` (fp32) of one sequence exactly as attention sees them.
+    """K, V ``[length, H_kv, D]`` (fp32) of the first ``length`` positions (default: all
+    ``seq_len``) of one sequence of ``seq_len`` cached tokens, exactly as attention sees them.
 
     Keys of complete groups are dequantized from the pages; keys of the unfinished last group
     (``seq_len % key_group`` tokens) come from the tail entry ``tail_entry`` (residual="tail") or
-    from the last page's residual area (residual="page").
+    from the last page's residual area (residual="page"). Only the pages holding the first
+    ``length`` positions are dequantized.
     """
     n_blk, g_sz = layout.block_size, layout.key_group
-    n_pages = -(-seq_len // n_blk)
+    length = seq_len if length is None else length
+    if not 0 <= length <= seq_len:
+        raise ValueError(f"KIVI: length={length} must be in [0, seq_len={seq_len}]")
+    n_pages = -(-length // n_blk)
     pages = block_table_row[:n_pages].to(torch.int64)
     k, v = dequantize_pages(cache, pages, layout, backend=backend)
     h, d = k.shape[1], k.shape[3]
-    k = k.permute(0, 2, 1, 3).reshape(n_pages * n_blk, h, d)[:seq_len]
-    v = v.permute(0, 2, 1, 3).reshape(n_pages * n_blk, h, d)[:seq_len]
+    k = k.permute(0, 2, 1, 3).reshape(n_pages * n_blk, h, d)[:length]
+    v = v.permute(0, 2, 1, 3).reshape(n_pages * n_blk, h, d)[:length]
     lq = (seq_len // g_sz) * g_sz
-    rem = seq_len - lq
-    if rem:
+    rem = length - lq
+    if rem > 0:
         views = layout.views(cache)
         if layout.residual == "page":
-            tail_rows = views.residual_k[pages[-1], :, :rem]
+            tail_rows = views.residual_k[block_table_row[seq_len // n_blk].to(torch.int64), :,
+                                         :rem]
         else:
             if k_tail is None or tail_entry is None:
                 raise ValueError(

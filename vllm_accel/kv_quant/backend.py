@@ -58,7 +58,7 @@ from vllm_accel.attention.registry import KV_CACHE_DTYPE_BACKENDS
 from vllm_accel.kernels.kivi_attention import kivi_paged_attention
 from vllm_accel.kernels.kivi_cache import quantize_on_write, resolve_backend
 from vllm_accel.kernels.kivi_format import ALLOWED_DTYPES, PRESETS, KiviLayout
-from vllm_accel.kv_quant.config import KvQuantKnobs, load_knobs
+from vllm_accel.kv_quant.config import KvQuantKnobs, load_knobs, resolve_prefill_kv
 from vllm_accel.kv_quant.tail_pool import TailPool, entries_per_request
 from vllm_accel.log import get_logger
 
@@ -69,7 +69,7 @@ SUPPORTED_MODEL_DTYPES = ALLOWED_DTYPES
 SUPPORTED_MODEL_DTYPE_NAMES = ", ".join(str(d).replace("torch.", "") for d in ALLOWED_DTYPES)
 DEFAULT_CPU_BLOCK_SIZE = 128  # vLLM's CPU default when --block-size is not given
 _LOGGED_LAYOUTS: set[KiviLayout] = set()
-_LOGGED_KERNELS: set[str] = set()
+_LOGGED_KERNELS: set[tuple[str, bool]] = set()
 # residual mode of the layers built in this process: vLLM asks customize_spec for the page bytes
 # in the worker outside any vLLM config context, after the model's layers were built
 _BUILT_RESIDUAL: dict[str, str] = {}
@@ -162,15 +162,21 @@ def platform_problems(flag: str, platform: Any) -> list[str]:
     from vllm_accel.kernels.kivi_cache import HAS_TRITON
 
     config = get_current_vllm_config_or_none()
-    kernel = load_knobs(config.additional_config if config is not None else None).kernel
+    knobs = load_knobs(config.additional_config if config is not None else None)
+    kernel = knobs.kernel
     knob = f"vllm_accel.kv_quant.kernel={kernel!r}"
     if kernel == "native":
         return [f"{flag} with {knob}: the native kernels are CPU kernels; supported on CUDA: "
                 f"auto, triton, torch"]
+    problems = []
     if kernel in ("auto", "triton") and not HAS_TRITON:
-        return [f"{flag} with {knob} needs Triton on CUDA and it does not import; install "
-                f"triton, or set the knob to torch (dequantize + SDPA, slow)"]
-    return []
+        problems.append(f"{flag} with {knob} needs Triton on CUDA and it does not import; "
+                        f"install triton, or set the knob to torch (dequantize + SDPA, slow)")
+    if knobs.prefill_kv == "exact" and kernel in ("auto", "triton"):
+        problems.append(f"{flag} with vllm_accel.kv_quant.prefill_kv='exact' and {knob}: the "
+                        f"Triton kernel does not take the chunk's own K/V yet; supported with "
+                        f"it: auto, cache (or set the kernel knob to torch)")
+    return problems
 
 
 def raise_startup_problems(kv_cache_dtype: str, selector_config: Any) -> None:
@@ -374,8 +380,8 @@ class KiviAttentionImpl(AttentionImpl):
         self.model_dtype = model_dtype
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.knobs: KvQuantKnobs = load_knobs(additional)
-        _BUILT_RESIDUAL["mode"] = self.knobs.residual
         device = torch.device(config.device_config.device if config is not None else "cpu")
+        _BUILT_RESIDUAL["mode"] = self.knobs.residual
         probe = page_layout(kv_cache_dtype, head_size, 128, model_dtype, self.knobs.residual)
         try:
             self.kernel = resolve_backend(self.knobs.kernel, device, probe)
@@ -383,11 +389,24 @@ class KiviAttentionImpl(AttentionImpl):
             here = "auto, triton, torch" if device.type == "cuda" else "auto, torch, native"
             raise ValueError(f"{flag}: vllm_accel.kv_quant.kernel={self.knobs.kernel!r}: {exc}; "
                              f"supported on {device.type}: {here}") from exc
-        if self.kernel not in _LOGGED_KERNELS:
-            _LOGGED_KERNELS.add(self.kernel)
+        # prefill chunks attend to their own unquantized K/V ("exact"); decode rows, and the
+        # 1 + k rows of a draft verification, read everything from the cache
+        prefill_kv = resolve_prefill_kv(self.knobs.prefill_kv, self.kernel)
+        if prefill_kv == "exact" and self.kernel == "triton":
+            raise ValueError(f"{flag}: vllm_accel.kv_quant.prefill_kv='exact' is not supported "
+                             f"by the Triton kernel yet; supported with it: auto, cache (or "
+                             f"set vllm_accel.kv_quant.kernel to torch)")
+        self.exact_prefill = prefill_kv == "exact"
+        spec = config.speculative_config if config is not None else None
+        self.prefill_min_rows = 2 + (spec.num_speculative_tokens if spec is not None else 0)
+        if (self.kernel, self.exact_prefill) not in _LOGGED_KERNELS:
+            _LOGGED_KERNELS.add((self.kernel, self.exact_prefill))
             logger.info("%s: cache write and attention kernel %s (knob "
-                        "vllm_accel.kv_quant.kernel=%s)", flag, self.kernel,
-                        self.knobs.kernel)
+                        "vllm_accel.kv_quant.kernel=%s); prefill chunks attend to their own "
+                        "K/V %s (vllm_accel.kv_quant.prefill_kv=%s)", flag, self.kernel,
+                        self.knobs.kernel,
+                        "unquantized" if self.exact_prefill else "from the quantized cache",
+                        self.knobs.prefill_kv)
         self._layouts: dict[int, KiviLayout] = {}
 
     def layout_for(self, kv_cache: torch.Tensor) -> KiviLayout:
@@ -452,5 +471,7 @@ class KiviAttentionImpl(AttentionImpl):
             out=output[:n], max_query_len=attn_metadata.max_query_len,
             max_seq_len=attn_metadata.max_seq_len, backend=self.kernel,
             k_tail=k_tail, tail_index=attn_metadata.tail_index,
+            chunk_kv=(key[:n], value[:n]) if self.exact_prefill else None,
+            chunk_kv_min_rows=self.prefill_min_rows,
         )
         return output

@@ -16,6 +16,21 @@ only say how it runs::
 * ``"page"``: a residual area in every page (self-contained pages, no per-request state) that
   costs ``2 * key_group * head_size / block_size`` bytes per token and head (64 B at D=64,
   N=128: kivi_4bit 136 B, 1.88x; kivi_2bit 104 B, 2.46x).
+
+``prefill_kv`` says which keys and values a prefill chunk attends to for its own positions
+(its context always comes from the quantized cache):
+
+* ``"auto"`` (default): ``exact``, except with the Triton kernel (CUDA's default), which
+  reads every row from the pages: ``cache`` there (``exact`` with it is a start-up error until
+  the kernel takes the chunk's K/V).
+* ``"exact"``: the chunk's own unquantized K/V, as KIVI's reference does in prefill; a prompt
+  prefilled in one step is computed as with the unquantized cache and only the tokens after it
+  read quantized K/V.
+* ``"cache"``: the cache's quantized rows, like every other read (vLLM's own quantized
+  caches do this): outputs do not depend on where chunked prefill or a prefix-cache hit split
+  the prompt.
+Decode rows, and draft-verification rows with ``--speculative-config``, read everything from
+the cache in both modes.
 """
 
 from __future__ import annotations
@@ -27,6 +42,7 @@ from vllm_accel.config import register_section
 SECTION = "kv_quant"
 KERNELS = ("auto", "torch", "triton", "native")
 RESIDUALS = ("tail", "page")
+PREFILL_KV = ("auto", "exact", "cache")
 
 
 @register_section(SECTION)
@@ -37,10 +53,15 @@ class KvQuantKnobs:
     torch otherwise; ``native``: that kernel or a start-up error; ``triton`` on CPU needs
     ``TRITON_INTERPRET=1``).
     ``residual``: where the unfinished key group is kept (``tail``: a per-request pool;
-    ``page``: every page; see the module doc)."""
+    ``page``: every page; see the module doc).
+    ``prefill_kv``: what a prefill chunk attends to for its own positions (``exact``: its
+    unquantized K/V; ``cache``: the quantized cache; ``auto``: cache with the Triton kernel,
+    exact otherwise;
+    see the module doc)."""
 
     kernel: str = "auto"
     residual: str = "tail"
+    prefill_kv: str = "auto"
 
     def validate(self) -> dict[str, str]:
         problems: dict[str, str] = {}
@@ -48,6 +69,8 @@ class KvQuantKnobs:
             problems["kernel"] = f"must be one of {', '.join(KERNELS)}"
         if self.residual not in RESIDUALS:
             problems["residual"] = f"must be one of {', '.join(RESIDUALS)}"
+        if self.prefill_kv not in PREFILL_KV:
+            problems["prefill_kv"] = f"must be one of {', '.join(PREFILL_KV)}"
         return problems
 
 
@@ -56,3 +79,10 @@ def load_knobs(additional_config: dict | None) -> KvQuantKnobs:
 
     return load_section(SECTION, additional_config)
 
+
+def resolve_prefill_kv(prefill_kv: str, kernel: str) -> str:
+    """``auto`` -> ``cache`` for the Triton kernel (it reads every row from the pages),
+    ``exact`` for the CPU kernels and torch; other values as given."""
+    if prefill_kv == "auto":
+        return "cache" if kernel == "triton" else "exact"
+    return prefill_kv

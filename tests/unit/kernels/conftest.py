@@ -16,6 +16,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from vllm_accel.kernels import block_sparse_attention as bsa  # noqa: E402
+from vllm_accel.kernels.kivi_cache import quantize_on_write, tail_entries  # noqa: E402
 
 
 def triton_interpreted() -> bool:
@@ -106,3 +107,32 @@ def dense_causal_attention(batch: PagedBatch, scale=None) -> torch.Tensor:
         o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         out[qsl[b] : qsl[b + 1]] = o.transpose(0, 1)
     return out
+
+
+def filled_kivi_cache(layout, seq_lens, hkv, seed=0):
+    """Sequences written token by token-chunks into scattered pages; returns cache, tail,
+    block table and the tail index of each sequence."""
+    gen = torch.Generator().manual_seed(seed)
+    n = layout.block_size
+    pages_per_seq = [-(-s // n) for s in seq_lens]
+    perm = torch.randperm(sum(pages_per_seq) + 1, generator=gen)[1:]  # page 0 unused
+    width = max(pages_per_seq)
+    table = torch.zeros(len(seq_lens), width, dtype=torch.int32)
+    start = 0
+    for i, p in enumerate(pages_per_seq):
+        table[i, :p] = perm[start:start + p].to(torch.int32)
+        start += p
+    cache = layout.allocate(sum(pages_per_seq) + 1, hkv)
+    tail = layout.allocate_tail(2 * len(seq_lens), hkv)
+    lens = torch.tensor(seq_lens)
+    qsl = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
+    tail_mapping, tail_index = tail_entries(qsl, lens, layout.key_group)
+    slots = torch.cat([table[i, torch.arange(s) // n].long() * n + torch.arange(s) % n
+                       for i, s in enumerate(seq_lens)])
+    k = torch.randn(int(qsl[-1]), hkv, layout.head_size, generator=gen)
+    k[:, :, 3] *= 8  # an outlier channel
+    v = torch.randn(int(qsl[-1]), hkv, layout.head_size, generator=gen)
+    quantize_on_write(k.bfloat16(), v.bfloat16(), cache, slots, layout,
+                      **({"k_tail": tail, "tail_mapping": tail_mapping}
+                         if layout.residual == "tail" else {}))
+    return cache, tail, table, tail_index

@@ -6,40 +6,13 @@ import pytest
 import torch
 
 from vllm_accel.kernels.kivi_attention import kivi_paged_attention
-from vllm_accel.kernels.kivi_cache import quantize_on_write, resolve_backend, tail_entries
+from vllm_accel.kernels.kivi_cache import quantize_on_write, resolve_backend
 from vllm_accel.kernels.kivi_cpu import HAS_NATIVE, decode_attention, native_problem
 from vllm_accel.kernels.kivi_format import KiviLayout
 
+from .conftest import filled_kivi_cache
+
 pytestmark = pytest.mark.skipif(not HAS_NATIVE, reason="vllm_accel._C_kivi is not built")
-
-
-def _filled_cache(layout, seq_lens, hkv, seed=0):
-    """Sequences written token by token-chunks into scattered pages; returns cache, tail,
-    block table and the tail index of each sequence."""
-    gen = torch.Generator().manual_seed(seed)
-    n = layout.block_size
-    pages_per_seq = [-(-s // n) for s in seq_lens]
-    perm = torch.randperm(sum(pages_per_seq) + 1, generator=gen)[1:]  # page 0 unused
-    width = max(pages_per_seq)
-    table = torch.zeros(len(seq_lens), width, dtype=torch.int32)
-    start = 0
-    for i, p in enumerate(pages_per_seq):
-        table[i, :p] = perm[start:start + p].to(torch.int32)
-        start += p
-    cache = layout.allocate(sum(pages_per_seq) + 1, hkv)
-    tail = layout.allocate_tail(2 * len(seq_lens), hkv)
-    lens = torch.tensor(seq_lens)
-    qsl = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
-    tail_mapping, tail_index = tail_entries(qsl, lens, layout.key_group)
-    slots = torch.cat([table[i, torch.arange(s) // n].long() * n + torch.arange(s) % n
-                       for i, s in enumerate(seq_lens)])
-    k = torch.randn(int(qsl[-1]), hkv, layout.head_size, generator=gen)
-    k[:, :, 3] *= 8  # an outlier channel
-    v = torch.randn(int(qsl[-1]), hkv, layout.head_size, generator=gen)
-    quantize_on_write(k.bfloat16(), v.bfloat16(), cache, slots, layout,
-                      **({"k_tail": tail, "tail_mapping": tail_mapping}
-                         if layout.residual == "tail" else {}))
-    return cache, tail, table, tail_index
 
 
 @pytest.mark.parametrize("bits_k, bits_v, value_group, residual", [
@@ -51,7 +24,7 @@ def test_decode_matches_the_torch_path(bits_k, bits_v, value_group, residual, hq
     layout = KiviLayout(bits_k, bits_v, head_size=64, block_size=128, key_group=64,
                         value_group=value_group, residual=residual)
     seq_lens = [1, 63, 64, 65, 128, 300, 257]
-    cache, tail, table, tail_index = _filled_cache(layout, seq_lens, hkv)
+    cache, tail, table, tail_index = filled_kivi_cache(layout, seq_lens, hkv)
     q = torch.randn(len(seq_lens), hq, 64, dtype=torch.bfloat16)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     tail_args = ({"k_tail": tail, "tail_index": tail_index} if residual == "tail" else {})
@@ -64,7 +37,7 @@ def test_decode_matches_the_torch_path(bits_k, bits_v, value_group, residual, hq
 
 def test_threads_do_not_change_the_result():
     layout = KiviLayout(4, 4, head_size=64, block_size=128, key_group=64)
-    cache, tail, table, tail_index = _filled_cache(layout, [200, 70, 5], 2, seed=3)
+    cache, tail, table, tail_index = filled_kivi_cache(layout, [200, 70, 5], 2, seed=3)
     q = torch.randn(3, 4, 64)
     lens = torch.tensor([200, 70, 5])
     one = decode_attention(q, cache, table, lens, 0.1, layout, k_tail=tail,
@@ -85,9 +58,9 @@ def test_sink_tokens_are_refused_by_name():
 def test_mixed_batch_sends_only_decode_rows_to_the_native_kernel():
     layout = KiviLayout(4, 4, head_size=64, block_size=128, key_group=64)
     seq_lens = [150, 90, 40]
-    cache, tail, table, tail_index = _filled_cache(layout, seq_lens, 2, seed=5)
+    cache, tail, table, tail_index = filled_kivi_cache(layout, seq_lens, 2, seed=5)
     qsl = torch.tensor([0, 1, 31, 32])  # decode, a 30-token chunk, decode
-    q = torch.randn(32, 6, 64, dtype=torch.bfloat16)
+    q = torch.randn(32, 6, 64)  # fp32: the chunk's split prefill runs in the query dtype
     lens = torch.tensor(seq_lens)
     run = lambda backend: kivi_paged_attention(  # noqa: E731
         q, cache, table, lens, qsl, 0.125, layout, k_tail=tail, tail_index=tail_index,
@@ -142,7 +115,7 @@ def test_native_write_writes_the_bytes_of_the_torch_write(bits_k, bits_v, value_
 def test_pure_decode_batch_takes_the_direct_path():
     layout = KiviLayout(4, 4, head_size=64, block_size=128, key_group=64)
     seq_lens = [150, 64, 1]
-    cache, tail, table, tail_index = _filled_cache(layout, seq_lens, 2, seed=9)
+    cache, tail, table, tail_index = filled_kivi_cache(layout, seq_lens, 2, seed=9)
     q = torch.randn(3, 4, 64, dtype=torch.bfloat16)
     run = lambda backend: kivi_paged_attention(  # noqa: E731
         q, cache, table, torch.tensor(seq_lens), torch.arange(4), 0.125, layout, k_tail=tail,

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 
 from vllm_accel.config import AccelConfigError
-from vllm_accel.kv_quant.config import KvQuantKnobs, load_knobs
+from vllm_accel.kv_quant.config import KvQuantKnobs, load_knobs, resolve_prefill_kv
 
 
 def test_defaults():
     knobs = load_knobs(None)
-    assert knobs == KvQuantKnobs(kernel="auto", residual="tail")
+    assert knobs == KvQuantKnobs(kernel="auto", residual="tail", prefill_kv="auto")
 
 
 def test_json_and_env(monkeypatch):
@@ -33,3 +33,13 @@ def test_residual_modes():
 def test_unknown_key_is_refused():
     with pytest.raises(AccelConfigError, match=r"unknown key.*bits"):
         load_knobs({"vllm_accel": {"kv_quant": {"bits": 3}}})
+
+
+def test_prefill_kv_modes():
+    assert load_knobs({"vllm_accel": {"kv_quant": {"prefill_kv": "cache"}}}).prefill_kv == "cache"
+    with pytest.raises(AccelConfigError, match=r"kv_quant\.prefill_kv='fp16'.*auto, exact, cache"):
+        load_knobs({"vllm_accel": {"kv_quant": {"prefill_kv": "fp16"}}})
+    assert resolve_prefill_kv("auto", "native") == "exact"
+    assert resolve_prefill_kv("auto", "torch") == "exact"
+    assert resolve_prefill_kv("auto", "triton") == "cache"
+    assert resolve_prefill_kv("cache", "native") == "cache"

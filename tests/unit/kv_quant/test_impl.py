@@ -32,9 +32,10 @@ def _metadata(q_lens, seq_lens, block_table, slot_mapping, pool=None, rows=None,
         tail_mapping=tail_mapping, tail_index=tail_index)
 
 
-def _impl(residual):
+def _impl(residual, prefill_kv="cache"):
     impl = KiviAttentionImpl(H_Q, D, D**-0.5, H_KV, None, None, "kivi_4bit")
-    impl.knobs = KvQuantKnobs(residual=residual)
+    impl.knobs = KvQuantKnobs(residual=residual, prefill_kv=prefill_kv)
+    impl.exact_prefill = prefill_kv == "exact"
     return impl
 
 
@@ -48,12 +49,13 @@ def _slots(block_table_row, positions):
     return torch.tensor([int(block_table_row[p // N]) * N + p % N for p in positions])
 
 
+@pytest.mark.parametrize("prefill_kv", ["cache", "exact"])
 @pytest.mark.parametrize("residual", ["tail", "page"])
-def test_prefill_then_decode_matches_the_fake_quant_reference(residual):
+def test_prefill_then_decode_matches_the_fake_quant_reference(residual, prefill_kv):
     torch.manual_seed(0)
     layout = page_layout("kivi_4bit", D, N, residual=residual)
     cache = layout.allocate(num_blocks=4, num_kv_heads=H_KV)
-    impl = _impl(residual)
+    impl = _impl(residual, prefill_kv)
     pool = _pool() if residual == "tail" else None
     layer = types.SimpleNamespace(layer_name="L0")
     length = 150  # two pages: one full key group + a partial one on the second page
@@ -74,10 +76,14 @@ def test_prefill_then_decode_matches_the_fake_quant_reference(residual):
     kq, vq = fake_quant_kv(k, v, layout)
     want_decode = reference_attention(q[pre:], kq, vq)
     torch.testing.assert_close(out[pre:].float(), want_decode, atol=2e-2, rtol=2e-2)
-    # the prefill rows attend to what the cache held after the prefill write
+    # the prefill rows attend to what the cache held after the prefill write ("cache"), or
+    # to the prompt's own unquantized K/V ("exact", the default on CPU)
     kq_pre, vq_pre = fake_quant_kv(k[:pre], v[:pre], layout)
     want_pre = reference_attention(q[:pre], kq_pre, vq_pre)
-    torch.testing.assert_close(out[:pre].float(), want_pre, atol=2e-2, rtol=2e-2)
+    exact_pre = reference_attention(q[:pre], k[:pre].float(), v[:pre].float())
+    want, other = (want_pre, exact_pre) if prefill_kv == "cache" else (exact_pre, want_pre)
+    torch.testing.assert_close(out[:pre].float(), want, atol=2e-2, rtol=2e-2)
+    assert (out[:pre].float() - other).abs().max() > 0.05
 
 
 def test_tail_slots_follow_requests_across_row_moves_and_finishes():
