@@ -21,11 +21,21 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 namespace py = pybind11;
+
+// The hot loops' helpers are inlined into each instruction-set copy of attend_one (below), so
+// that they vectorize with that copy's instructions.
+#if defined(__GNUC__)
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+#else
+#define ALWAYS_INLINE inline
+#endif
 
 namespace {
 
@@ -55,12 +65,6 @@ inline float half_to_float(uint16_t h) {
   float f;
   std::memcpy(&f, &bits, sizeof(f));
   return f;
-}
-
-inline float load_half(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, sizeof(h));
-  return half_to_float(h);
 }
 
 // float -> IEEE half, round to nearest even (what torch's .to(torch.float16) does).
@@ -103,8 +107,54 @@ inline float load_elem(const uint8_t* p, int64_t elem_bytes, bool bf16) {
   return f;
 }
 
+// Branch-free IEEE half -> float for finite halves (scales and zero points are clamped to
+// +-65504 when written): the exponent and mantissa move to float position and one multiply by
+// 2^112 rebiases the exponent, exact for normals and subnormals alike.  Inner loops over it
+// vectorize, unlike half_to_float's branches.
+ALWAYS_INLINE float half_to_float_finite(uint16_t h) {
+  const uint32_t mag = static_cast<uint32_t>(h & 0x7fffu) << 13;
+  float f;
+  std::memcpy(&f, &mag, sizeof(f));
+  f *= 0x1p112f;
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  bits |= static_cast<uint32_t>(h & 0x8000u) << 16;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// `n` fp16 values at p -> float.
+ALWAYS_INLINE void load_halves(const uint8_t* p, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i) {
+    uint16_t h;
+    std::memcpy(&h, p + 2 * i, sizeof(h));
+    out[i] = half_to_float_finite(h);
+  }
+}
+
+// exp(x) for x <= 0 (softmax scores minus their maximum), within ~2 ulp, flushing below e^-87
+// to ~1e-38 instead of 0.  Written without calls or branches so that the softmax loop vectorizes
+// (std::exp does not, and was a third of a decode step): x = n ln2 + r with |r| <= ln2/2,
+// exp(r) by its degree-6 Taylor polynomial, 2^n by building the float's exponent.
+ALWAYS_INLINE float exp_nonpositive(float x) {
+  x = std::max(x, -87.f);
+  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;  // round to nearest
+  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+  float p = 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &e, sizeof(two_n));
+  return p * two_n;
+}
+
 // Unpack one token row of `d` codes (low channel in the low bits of each byte).
-inline void unpack_row(const uint8_t* row, int bits, int d, float* out) {
+ALWAYS_INLINE void unpack_row(const uint8_t* row, int bits, int d, float* out) {
   if (bits == 4) {
     for (int j = 0; j < d / 2; ++j) {
       const uint8_t b = row[j];
@@ -136,8 +186,11 @@ struct Geometry {
 struct Scratch {
   std::vector<float> scores;  // [hq, seq_len] scores, then softmax weights
   std::vector<float> tile;    // [D, G] codes of one key group, channel-major
-  std::vector<float> codes;   // [D] codes of one value row
+  std::vector<float> codes;   // [D] codes of one key row
+  std::vector<float> vtile;   // [kValueBlock, D] value codes times their token's scale
+  std::vector<float> vzero;   // [kValueBlock, value groups] their zero points
   std::vector<float> folded;  // [hq, D + 1] query * key scale, and the q . zero bias
+  std::vector<float> kscale;  // [2, D] the key group's scales and zero points as float
   std::vector<float> denom, zsum;
 };
 
@@ -145,12 +198,9 @@ struct Scratch {
 // compile time (the common head sizes, so every inner loop is a fixed-length vector loop);
 // 0 reads them from `g`.  Inner loops run over contiguous memory without reductions: key
 // scores as score[t] += f[d] * tile[d][t] over the group's tokens, values as
-// out[d] += w * code[d].  x86-64 builds carry an AVX2+FMA clone picked at load time.
+// out[d] += w * code[d].  x86-64 builds carry AVX-512 and AVX2+FMA copies (pick_attend).
 template <int DT, int GT>
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-__attribute__((target_clones("arch=haswell", "default")))
-#endif
-void attend_one(const Geometry& g, const uint8_t* cache, const int32_t* block_row,
+ALWAYS_INLINE void attend_one(const Geometry& g, const uint8_t* cache, const int32_t* block_row,
                 int64_t seq_len, const float* q, const float* tail, float* out, Scratch& w) {
   const int64_t D = DT > 0 ? DT : g.head_size;
   const int64_t G = GT > 0 ? GT : g.key_group;
@@ -165,28 +215,29 @@ void attend_one(const Geometry& g, const uint8_t* cache, const int32_t* block_ro
   w.tile.resize(static_cast<size_t>(D * G));
   w.codes.resize(static_cast<size_t>(D));
   w.folded.resize(static_cast<size_t>(hq * (D + 1)));
+  w.kscale.resize(static_cast<size_t>(2 * D));
   w.denom.assign(static_cast<size_t>(hq), 0.f);
   w.zsum.assign(static_cast<size_t>(hq * vgroups), 0.f);
   float* scores = w.scores.data();
   float* tile = w.tile.data();
   float* codes = w.codes.data();
   float* folded = w.folded.data();
+  float* ks = w.kscale.data();
+  float* kz = ks + D;
 
-  // --- scores over complete (quantized) key groups
+  // --- scores (softmax scale included) over complete (quantized) key groups
   for (int64_t t0 = 0; t0 < quantized; t0 += G) {
     const uint8_t* page = cache + block_row[t0 / N] * block_stride;
     const int64_t first = t0 % N;
-    const uint8_t* ks = page + g.off_ks + (first / G) * D * 2;
-    const uint8_t* kz = page + g.off_kz + (first / G) * D * 2;
+    load_halves(page + g.off_ks + (first / G) * D * 2, D, ks);
+    load_halves(page + g.off_kz + (first / G) * D * 2, D, kz);
     for (int64_t i = 0; i < hq; ++i) {  // fold the group's channel scales into each query
       const float* qi = q + i * D;
       float* fi = folded + i * (D + 1);
+      for (int64_t d = 0; d < D; ++d) fi[d] = qi[d] * g.scale * ks[d];
       float bias = 0.f;
-      for (int64_t d = 0; d < D; ++d) {
-        fi[d] = qi[d] * load_half(ks + 2 * d);
-        bias += qi[d] * load_half(kz + 2 * d);
-      }
-      fi[D] = bias;
+      for (int64_t d = 0; d < D; ++d) bias += qi[d] * kz[d];
+      fi[D] = bias * g.scale;
     }
     for (int64_t t = 0; t < G; ++t) {  // unpack the group channel-major
       unpack_row(page + g.off_kc + (first + t) * k_row, static_cast<int>(g.bits_k),
@@ -196,11 +247,22 @@ void attend_one(const Geometry& g, const uint8_t* cache, const int32_t* block_ro
     for (int64_t i = 0; i < hq; ++i) {
       const float* fi = folded + i * (D + 1);
       float* si = scores + i * seq_len + t0;
-      for (int64_t t = 0; t < G; ++t) si[t] = fi[D];
-      for (int64_t d = 0; d < D; ++d) {
-        const float f = fi[d];
-        const float* row = tile + d * G;
-        for (int64_t t = 0; t < G; ++t) si[t] += f * row[t];
+      if constexpr (GT > 0) {  // the group's scores stay in registers over the channels
+        float acc[GT];
+        for (int64_t t = 0; t < GT; ++t) acc[t] = fi[D];
+        for (int64_t d = 0; d < D; ++d) {
+          const float f = fi[d];
+          const float* row = tile + d * GT;
+          for (int64_t t = 0; t < GT; ++t) acc[t] += f * row[t];
+        }
+        for (int64_t t = 0; t < GT; ++t) si[t] = acc[t];
+      } else {
+        for (int64_t t = 0; t < G; ++t) si[t] = fi[D];
+        for (int64_t d = 0; d < D; ++d) {
+          const float f = fi[d];
+          const float* row = tile + d * G;
+          for (int64_t t = 0; t < G; ++t) si[t] += f * row[t];
+        }
       }
     }
   }
@@ -211,43 +273,80 @@ void attend_one(const Geometry& g, const uint8_t* cache, const int32_t* block_ro
       const float* qi = q + i * D;
       float acc = 0.f;
       for (int64_t d = 0; d < D; ++d) acc += qi[d] * k[d];
-      scores[i * seq_len + t] = acc;
+      scores[i * seq_len + t] = acc * g.scale;
     }
   }
-  // --- softmax per query head (weights left unnormalised; divided at the end)
+  // --- softmax per query head (weights left unnormalised; divided at the end).  Max and sum
+  // keep kLanes partial results so that both loops vectorize without reassociation flags.
+  constexpr int64_t kLanes = 16;
   for (int64_t i = 0; i < hq; ++i) {
     float* si = scores + i * seq_len;
+    const int64_t body = seq_len / kLanes * kLanes;
+    float lane[kLanes];
+    std::fill(lane, lane + kLanes, -INFINITY);
+    for (int64_t t0 = 0; t0 < body; t0 += kLanes) {
+      for (int64_t j = 0; j < kLanes; ++j) lane[j] = std::max(lane[j], si[t0 + j]);
+    }
     float m = -INFINITY;
-    for (int64_t t = 0; t < seq_len; ++t) m = std::max(m, si[t] * g.scale);
+    for (int64_t j = 0; j < kLanes; ++j) m = std::max(m, lane[j]);
+    for (int64_t t = body; t < seq_len; ++t) m = std::max(m, si[t]);
+    std::fill(lane, lane + kLanes, 0.f);
+    for (int64_t t0 = 0; t0 < body; t0 += kLanes) {
+      for (int64_t j = 0; j < kLanes; ++j) {
+        si[t0 + j] = exp_nonpositive(si[t0 + j] - m);
+        lane[j] += si[t0 + j];
+      }
+    }
     float sum = 0.f;
-    for (int64_t t = 0; t < seq_len; ++t) {
-      si[t] = std::exp(si[t] * g.scale - m);
+    for (int64_t j = 0; j < kLanes; ++j) sum += lane[j];
+    for (int64_t t = body; t < seq_len; ++t) {
+      si[t] = exp_nonpositive(si[t] - m);
       sum += si[t];
     }
     w.denom[i] = sum;
     std::fill(out + i * D, out + (i + 1) * D, 0.f);
   }
-  // --- values: per-token scales fold into the weights
-  for (int64_t t = 0; t < seq_len; ++t) {
-    const uint8_t* page = cache + block_row[t / N] * block_stride;
-    const int64_t o = t % N;
-    unpack_row(page + g.off_vc + o * v_row, static_cast<int>(g.bits_v), static_cast<int>(D),
-               codes);
-    for (int64_t vg = 0; vg < vgroups; ++vg) {
-      const float vs = load_half(page + g.off_vs + (o * vgroups + vg) * 2);
-      const float vz = load_half(page + g.off_vz + (o * vgroups + vg) * 2);
-      const int64_t d0 = vg * g.value_group, width = g.value_group;
-      for (int64_t i = 0; i < hq; ++i) {
-        const float p = scores[i * seq_len + t];
-        const float wt = p * vs;
-        float* oi = out + i * D + d0;
-        const float* c = codes + d0;
-        if (vgroups == 1) {
-          for (int64_t d = 0; d < D; ++d) oi[d] += wt * c[d];
-        } else {
-          for (int64_t d = 0; d < width; ++d) oi[d] += wt * c[d];
+  // --- values, kValueBlock tokens at a time: the block's codes are unpacked once with their
+  // per-token scales folded in (vtile[t][d] = code * scale), then each query head sums its
+  // weights over the block into accumulators that stay in registers (fixed D); the zero
+  // points add p_t * zero per value group.
+  constexpr int64_t kValueBlock = 32;
+  w.vtile.resize(static_cast<size_t>(kValueBlock * D));
+  w.vzero.resize(static_cast<size_t>(kValueBlock * vgroups));
+  float* vtile = w.vtile.data();
+  float* vzero = w.vzero.data();
+  for (int64_t b0 = 0; b0 < seq_len; b0 += kValueBlock) {
+    const int64_t nb = std::min(kValueBlock, seq_len - b0);
+    for (int64_t r = 0; r < nb; ++r) {
+      const int64_t t = b0 + r;
+      const uint8_t* page = cache + block_row[t / N] * block_stride;
+      const int64_t o = t % N;
+      float* vr = vtile + r * D;
+      unpack_row(page + g.off_vc + o * v_row, static_cast<int>(g.bits_v), static_cast<int>(D),
+                 vr);
+      for (int64_t vg = 0; vg < vgroups; ++vg) {
+        float vs;
+        load_halves(page + g.off_vs + (o * vgroups + vg) * 2, 1, &vs);
+        load_halves(page + g.off_vz + (o * vgroups + vg) * 2, 1, vzero + r * vgroups + vg);
+        for (int64_t d = vg * g.value_group; d < (vg + 1) * g.value_group; ++d) vr[d] *= vs;
+      }
+    }
+    for (int64_t i = 0; i < hq; ++i) {
+      const float* pi = scores + i * seq_len + b0;
+      float* oi = out + i * D;
+      float acc[DT > 0 ? DT : 1];
+      float* a = DT > 0 ? acc : oi;  // fixed D: registers; otherwise straight into out
+      if constexpr (DT > 0) std::fill(acc, acc + DT, 0.f);
+      for (int64_t r = 0; r < nb; ++r) {
+        const float p = pi[r];
+        const float* vr = vtile + r * D;
+        for (int64_t d = 0; d < D; ++d) a[d] += p * vr[d];
+        for (int64_t vg = 0; vg < vgroups; ++vg) {
+          w.zsum[i * vgroups + vg] += p * vzero[r * vgroups + vg];
         }
-        w.zsum[i * vgroups + vg] += p * vz;
+      }
+      if constexpr (DT > 0) {
+        for (int64_t d = 0; d < DT; ++d) oi[d] += acc[d];
       }
     }
   }
@@ -266,10 +365,44 @@ void attend_one(const Geometry& g, const uint8_t* cache, const int32_t* block_ro
 using AttendFn = void (*)(const Geometry&, const uint8_t*, const int32_t*, int64_t,
                           const float*, const float*, float*, Scratch&);
 
+// One compiled copy of attend_one per instruction set, chosen at run time (GCC's
+// target_clones dispatched to its baseline copy from this module, found with perf).
+#define ATTEND_FOR_ISA(NAME, TARGET)                                                         \
+  template <int DT, int GT>                                                                  \
+  TARGET void NAME(const Geometry& g, const uint8_t* cache, const int32_t* block_row,        \
+                   int64_t seq_len, const float* q, const float* tail, float* out,           \
+                   Scratch& w) {                                                             \
+    attend_one<DT, GT>(g, cache, block_row, seq_len, q, tail, out, w);                       \
+  }
+ATTEND_FOR_ISA(attend_baseline, )
+#if defined(__x86_64__) && defined(__GNUC__)
+ATTEND_FOR_ISA(attend_avx2, __attribute__((target("avx2,fma,f16c"))))
+ATTEND_FOR_ISA(attend_avx512, __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))))
+#endif
+
+// The widest copy this CPU runs; VLLM_ACCEL_KIVI_ISA=avx2|baseline caps it (tests run every
+// copy on one machine).
+template <int DT, int GT>
+AttendFn pick_isa() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  const char* cap = std::getenv("VLLM_ACCEL_KIVI_ISA");
+  const std::string limit = cap ? cap : "";
+  __builtin_cpu_init();
+  if (limit.empty() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl")) {
+    return attend_avx512<DT, GT>;
+  }
+  if (limit != "baseline" && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    return attend_avx2<DT, GT>;
+  }
+#endif
+  return attend_baseline<DT, GT>;
+}
+
 AttendFn pick_attend(const Geometry& g) {
-  if (g.key_group == 64 && g.head_size == 64) return attend_one<64, 64>;
-  if (g.key_group == 64 && g.head_size == 128) return attend_one<128, 64>;
-  return attend_one<0, 0>;
+  if (g.key_group == 64 && g.head_size == 64) return pick_isa<64, 64>();
+  if (g.key_group == 64 && g.head_size == 128) return pick_isa<128, 64>();
+  return pick_isa<0, 0>();
 }
 
 // Decode attention for `num_seqs` sequences, one query token each.

@@ -35,6 +35,26 @@ def test_decode_matches_the_torch_path(bits_k, bits_v, value_group, residual, hq
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("isa", ["", "avx2", "baseline"])
+@pytest.mark.parametrize("head_size, key_group", [(64, 64), (128, 64), (96, 64), (64, 32)])
+def test_every_compiled_copy_and_head_size_matches_the_torch_path(isa, head_size, key_group,
+                                                                   monkeypatch):
+    """The kernel has copies for D=64 and D=128 at key group 64 and a generic one, each compiled
+    for AVX-512, AVX2 and the baseline; VLLM_ACCEL_KIVI_ISA caps the copy this CPU runs."""
+    monkeypatch.setenv("VLLM_ACCEL_KIVI_ISA", isa)
+    layout = KiviLayout(4, 4, head_size=head_size, block_size=128, key_group=key_group)
+    seq_lens = [1, 40, 64, 65, 300]
+    cache, tail, table, tail_index = filled_kivi_cache(layout, seq_lens, 2, seed=7)
+    q = torch.randn(len(seq_lens), 6, head_size)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    got = decode_attention(q, cache, table, lens, head_size ** -0.5, layout, k_tail=tail,
+                           tail_index=tail_index)
+    want = kivi_paged_attention(q, cache, table, lens, torch.arange(len(seq_lens) + 1),
+                                head_size ** -0.5, layout, k_tail=tail, tail_index=tail_index,
+                                backend="torch", out=torch.zeros(q.shape, dtype=torch.float32))
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
 def test_threads_do_not_change_the_result():
     layout = KiviLayout(4, 4, head_size=64, block_size=128, key_group=64)
     cache, tail, table, tail_index = filled_kivi_cache(layout, [200, 70, 5], 2, seed=3)
