@@ -12,6 +12,10 @@ the model predicts badly (see docs/kv_quant.md).
         --model ~/.cache/vllm-accel/models/qwen2.5-coder-0.5b-instruct \
         --window 1024 --count 2 --dtypes auto,kivi_4bit,kivi_2bit
 
+Prompt log-probs read the KIVI cache the way decode steps read it: the KIVI engines run with
+``kv_quant.prefill_kv = cache`` (``--prefill-kv``; under ``exact``, the CPU default, a window
+prefilled in one step attends to its own unquantized K/V and scores as the unquantized cache).
+
 Options: ``--max-num-batched-tokens`` (force chunked prefill), ``--json OUT`` (results with
 every window's per-token log-probs and top-1 tokens),
 ``--dtype`` (model dtype, default bfloat16), ``--floor-chunk N`` (one more ``auto`` engine whose
@@ -43,6 +47,8 @@ def main() -> None:
     ap.add_argument("--floor-chunk", type=int, default=None)
     ap.add_argument("--dtype", default="bfloat16",
                     help="model dtype (float32 avoids bf16 emulation on CPUs without AVX512-BF16)")
+    ap.add_argument("--prefill-kv", default="cache", choices=("auto", "exact", "cache"),
+                    help="the KIVI engines' kv_quant.prefill_kv (cache: as decode reads)")
     args = ap.parse_args()
 
     from transformers import AutoTokenizer
@@ -60,6 +66,9 @@ def main() -> None:
         engine = dict(model=model, dtype=args.dtype, kv_cache_dtype=cache_dtype,
                       max_model_len=args.window + 64, seed=0,
                       gpu_memory_utilization=args.gpu_memory_utilization)
+        if cache_dtype.startswith("kivi"):
+            engine["additional_config"] = {
+                "vllm_accel": {"kv_quant": {"prefill_kv": args.prefill_kv}}}
         if batched_tokens:
             engine["max_num_batched_tokens"] = batched_tokens
             engine["enable_chunked_prefill"] = True

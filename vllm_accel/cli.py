@@ -63,7 +63,8 @@ def _bench(args: argparse.Namespace) -> int:
     feature = FEATURES[args.feature]
     kv_quant_flags = {flag: value for flag, value in (
         ("--kv-cache-dtype", getattr(args, "kv_cache_dtype", None)),
-        ("--dtype", getattr(args, "dtype", None))) if value}
+        ("--dtype", getattr(args, "dtype", None)),
+        ("--prefill-kv", getattr(args, "prefill_kv", None))) if value}
     if kv_quant_flags:
         if args.feature != "kv-quant":
             print(f"vllm-accel bench: {', '.join(kv_quant_flags)} applies to the kv-quant bench "
@@ -77,7 +78,7 @@ def _bench(args: argparse.Namespace) -> int:
         feature = dataclasses.replace(
             feature, baseline=kv_quant.engine_extra("auto", model_dtype),
             accelerated=kv_quant.engine_extra(args.kv_cache_dtype or kv_quant.DEFAULT_DTYPE,
-                                              model_dtype))
+                                              model_dtype, args.prefill_kv))
     try:
         model_dir, model_name = _model_dir_and_name(args.model or feature.model)
     except UnknownModelError as exc:
@@ -338,6 +339,7 @@ def _fault_run(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from vllm_accel.kv_connector.config import RECOMPUTE_POLICIES
+    from vllm_accel.kv_quant.config import PREFILL_KV
     from vllm_accel.precompute import EPILOG as PRECOMPUTE_EPILOG
     from vllm_accel.speed.adapt.data import DataPlan
     from vllm_accel.speed.adapt.train_plan import TrainPlan
@@ -367,6 +369,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
                            help="kv-quant only: the model dtype of both sides (default "
                            "bfloat16; float32 where vLLM's bf16 CPU path is unreliable)")
+            p.add_argument("--prefill-kv", choices=PREFILL_KV,
+                           help="kv-quant only: the KIVI side's kv_quant.prefill_kv (default "
+                           "auto; cache scores prompt perplexity as decode steps read)")
         p.add_argument("--json", help="write the result as JSON here")
         p.add_argument("--plot", help="write a PNG plot here")
         p.add_argument("--gpu-memory-utilization", type=float, default=0.3)

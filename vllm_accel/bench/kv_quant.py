@@ -17,7 +17,10 @@ use the same memory for KV. ``ratios.kv_capacity_ratio`` = accelerated / baselin
 ``ratios.kv_bytes_per_token_*`` are the KV bytes per token (all layers, pool included) each
 side's cache costs; ``ratios.tail_pool_bytes`` the pool. Quality (``quality.ppl_bf16``,
 ``quality.ppl_quant``, needle/retrieval, top-1 agreement with the bf16 side) comes from the
-common tasks.
+common tasks. ``quality.prefill_kv`` records the KIVI knob the side ran with (``bench kv-quant
+--prefill-kv``): under ``exact`` (the CPU default) a prompt prefilled in one step attends to its
+own unquantized K/V, so prompt perplexity and agreement measure only what decode reads; run
+``--prefill-kv cache`` to score every prompt position as a decode step would read it.
 """
 
 from __future__ import annotations
@@ -32,10 +35,16 @@ KV_CACHE_BYTES = 1 << 30
 MAX_NUM_SEQS = 16  # more than the benchmark ever runs at once; sizes the residual pool
 
 
-def engine_extra(kv_cache_dtype: str, model_dtype: str = MODEL_DTYPE) -> dict[str, Any]:
-    """Engine settings of one side: the cache dtype, the model dtype, a fixed KV-cache size."""
-    return {"kv_cache_dtype": kv_cache_dtype, "dtype": model_dtype,
-            "kv_cache_memory_bytes": KV_CACHE_BYTES, "max_num_seqs": MAX_NUM_SEQS}
+def engine_extra(kv_cache_dtype: str, model_dtype: str = MODEL_DTYPE,
+                 prefill_kv: str | None = None) -> dict[str, Any]:
+    """Engine settings of one side: the cache dtype, the model dtype, a fixed KV-cache size;
+    ``prefill_kv`` sets the KIVI knob ``kv_quant.prefill_kv`` (``bench kv-quant --prefill-kv``)."""
+    engine: dict[str, Any] = {"kv_cache_dtype": kv_cache_dtype, "dtype": model_dtype,
+                              "kv_cache_memory_bytes": KV_CACHE_BYTES,
+                              "max_num_seqs": MAX_NUM_SEQS}
+    if prefill_kv:
+        engine["additional_config"] = {"vllm_accel": {"kv_quant": {"prefill_kv": prefill_kv}}}
+    return engine
 
 
 def residual_pool_bytes(engine: dict[str, Any]) -> int:
@@ -89,5 +98,10 @@ def report(baseline: dict[str, Any], accelerated: dict[str, Any]
             (accelerated["engine"]["kv_cache_memory_bytes"] + pool) / quant_tokens,
         "tail_pool_bytes": pool,
     }
-    quality = {"ppl_bf16": baseline.get("perplexity"), "ppl_quant": accelerated.get("perplexity")}
+    from vllm_accel.kv_quant.config import load_knobs
+
+    quality = {"ppl_bf16": baseline.get("perplexity"), "ppl_quant": accelerated.get("perplexity"),
+               # with ``exact``, a prompt prefilled in one step attends to its own unquantized
+               # K/V: its perplexity is the bf16 cache's; ``cache`` reads as decode steps do
+               "prefill_kv": load_knobs(accelerated["engine"].get("additional_config")).prefill_kv}
     return ratios, quality

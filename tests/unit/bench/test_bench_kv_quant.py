@@ -49,3 +49,12 @@ def test_report_counts_the_pool_in_the_bytes_per_token(tmp_path):
     assert ratios["kv_capacity_ratio"] == 3.5
     assert ratios["kv_bytes_per_token_quant"] == kv_quant.KV_CACHE_BYTES / (350 * 128)
     assert ratios["tail_pool_bytes"] == kv_quant.KV_CACHE_BYTES - engine["kv_cache_memory_bytes"]
+
+
+@pytest.mark.parametrize("prefill_kv", [None, "cache"])
+def test_report_says_which_keys_prefill_attended_to(tmp_path, prefill_kv):
+    """Under ``exact`` prompt perplexity reads unquantized K/V: the report must say which."""
+    engine = _engine(tmp_path, **kv_quant.engine_extra("kivi_4bit", prefill_kv=prefill_kv))
+    side = {"engine": engine, "num_kv_blocks": 1, "block_size": 128, "perplexity": 9.0}
+    _, quality = kv_quant.report({**side, "engine": {"kv_cache_memory_bytes": 1}}, side)
+    assert quality["prefill_kv"] == (prefill_kv or "auto")

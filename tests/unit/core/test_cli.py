@@ -69,7 +69,7 @@ def test_kv_quant_report_capacity_from_blocks():
     assert ratios["kv_capacity_ratio"] == pytest.approx(3.5)
     assert ratios["kv_bytes_per_token_baseline"] == pytest.approx((1 << 20) / 512)
     assert ratios["kv_tokens_quant"] == 14 * 128
-    assert quality == {"ppl_bf16": 10.0, "ppl_quant": 10.2}
+    assert quality == {"ppl_bf16": 10.0, "ppl_quant": 10.2, "prefill_kv": "auto"}
 
 
 def test_doctor_lists_backends_and_patches(capsys):
