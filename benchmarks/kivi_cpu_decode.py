@@ -23,7 +23,8 @@ from vllm_accel.kernels.kivi_cpu import HAS_NATIVE
 from vllm_accel.kernels.kivi_format import KiviLayout
 
 
-def _median_ms(fn, repeats: int) -> float:
+def median_ms(fn, repeats: int) -> float:
+    """Median wall time of ``fn()`` over ``repeats`` calls after one warm-up call."""
     fn()
     times = []
     for _ in range(repeats):
@@ -33,15 +34,20 @@ def _median_ms(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--context", type=int, default=2048)
-    ap.add_argument("--batch", type=int, default=1)
+def add_geometry_args(ap: argparse.ArgumentParser) -> None:
+    """One layer's shape (Qwen2.5-0.5B by default) and the KIVI dtype."""
     ap.add_argument("--heads", type=int, default=14)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--head-size", type=int, default=64)
     ap.add_argument("--dtype", default="kivi_4bit")
     ap.add_argument("--block-size", type=int, default=128)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--batch", type=int, default=1)
+    add_geometry_args(ap)
     ap.add_argument("--repeats", type=int, default=20)
     args = ap.parse_args()
     b, L, hq, hkv, d, n = (args.batch, args.context, args.heads, args.kv_heads, args.head_size,
@@ -77,10 +83,10 @@ def main() -> None:
         return lambda: kivi_paged_attention(q, cache, table, lens, qsl, d ** -0.5, lay,
                                             k_tail=tail, tail_index=tail_index, backend=backend)
 
-    rows = {"bf16 (gather + SDPA)": _median_ms(bf16, args.repeats),
-            f"{args.dtype} torch path": _median_ms(kivi("torch"), args.repeats)}
+    rows = {"bf16 (gather + SDPA)": median_ms(bf16, args.repeats),
+            f"{args.dtype} torch path": median_ms(kivi("torch"), args.repeats)}
     if HAS_NATIVE:
-        rows[f"{args.dtype} native"] = _median_ms(kivi("native"), args.repeats)
+        rows[f"{args.dtype} native"] = median_ms(kivi("native"), args.repeats)
     base = rows["bf16 (gather + SDPA)"]
     print(f"decode, one layer: batch {b}, context {L}, {hq}/{hkv} heads, D={d}, "
           f"{torch.get_num_threads()} threads")

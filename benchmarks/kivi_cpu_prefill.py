@@ -13,36 +13,21 @@ run (Qwen2.5-0.5B geometry, bf16 queries by default; ``--query-dtype float32`` f
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
+from kivi_cpu_decode import add_geometry_args, median_ms  # benchmarks/, next to this script
 
 from vllm_accel.kernels.kivi_attention import kivi_paged_attention
 from vllm_accel.kernels.kivi_cache import quantize_on_write, tail_entries
 from vllm_accel.kernels.kivi_format import KiviLayout
 
 
-def _median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--chunk", type=int, default=4096)
     ap.add_argument("--context", type=int, default=4096)
-    ap.add_argument("--heads", type=int, default=14)
-    ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--head-size", type=int, default=64)
-    ap.add_argument("--dtype", default="kivi_4bit")
+    add_geometry_args(ap)
     ap.add_argument("--query-dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    ap.add_argument("--block-size", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
     lq, ctx, hq, hkv, d, n = (args.chunk, args.context, args.heads, args.kv_heads,
@@ -69,9 +54,9 @@ def main() -> None:
                                             backend=backend, chunk_kv=chunk_kv)
 
     rows = {
-        "reference (dequantize all + masked SDPA)": _median_ms(run("torch"), args.repeats),
-        "split, prefill_kv=cache": _median_ms(run("native"), args.repeats),
-        "split, prefill_kv=exact": _median_ms(run("native", own), args.repeats),
+        "reference (dequantize all + masked SDPA)": median_ms(run("torch"), args.repeats),
+        "split, prefill_kv=cache": median_ms(run("native"), args.repeats),
+        "split, prefill_kv=exact": median_ms(run("native", own), args.repeats),
     }
     base = rows["reference (dequantize all + masked SDPA)"]
     print(f"{args.dtype}, chunk {lq} over context {ctx}, {hq}/{hkv} heads, D={d}, "

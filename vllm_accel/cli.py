@@ -64,7 +64,8 @@ def _bench(args: argparse.Namespace) -> int:
     kv_quant_flags = {flag: value for flag, value in (
         ("--kv-cache-dtype", getattr(args, "kv_cache_dtype", None)),
         ("--dtype", getattr(args, "dtype", None)),
-        ("--prefill-kv", getattr(args, "prefill_kv", None))) if value}
+        ("--prefill-kv", getattr(args, "prefill_kv", None)),
+        ("--max-num-batched-tokens", getattr(args, "max_num_batched_tokens", None))) if value}
     if kv_quant_flags:
         if args.feature != "kv-quant":
             print(f"vllm-accel bench: {', '.join(kv_quant_flags)} applies to the kv-quant bench "
@@ -75,10 +76,12 @@ def _bench(args: argparse.Namespace) -> int:
         from vllm_accel.bench import kv_quant
 
         model_dtype = args.dtype or kv_quant.MODEL_DTYPE
+        step = ({"max_num_batched_tokens": args.max_num_batched_tokens}
+                if args.max_num_batched_tokens else {})
         feature = dataclasses.replace(
-            feature, baseline=kv_quant.engine_extra("auto", model_dtype),
-            accelerated=kv_quant.engine_extra(args.kv_cache_dtype or kv_quant.DEFAULT_DTYPE,
-                                              model_dtype, args.prefill_kv))
+            feature, baseline={**kv_quant.engine_extra("auto", model_dtype), **step},
+            accelerated={**kv_quant.engine_extra(args.kv_cache_dtype or kv_quant.DEFAULT_DTYPE,
+                                                 model_dtype, args.prefill_kv), **step})
     try:
         model_dir, model_name = _model_dir_and_name(args.model or feature.model)
     except UnknownModelError as exc:
@@ -372,6 +375,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--prefill-kv", choices=PREFILL_KV,
                            help="kv-quant only: the KIVI side's kv_quant.prefill_kv (default "
                            "auto; cache scores prompt perplexity as decode steps read)")
+            p.add_argument("--max-num-batched-tokens", type=int,
+                           help="kv-quant only: vLLM's prefill step size on both sides (CPU "
+                           "default 2048; larger keeps longer prompts in one step)")
         p.add_argument("--json", help="write the result as JSON here")
         p.add_argument("--plot", help="write a PNG plot here")
         p.add_argument("--gpu-memory-utilization", type=float, default=0.3)

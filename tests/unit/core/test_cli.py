@@ -132,3 +132,15 @@ def test_bench_dtype_sets_both_kv_quant_sides(capsys, bench_sides):
     assert cli.main(["bench", "kv-quant", "--quick", "--dtype", "float32"]) == 1
     assert bench_sides["baseline"]["dtype"] == bench_sides["accelerated"]["dtype"] == "float32"
     assert bench_sides["accelerated"]["kv_cache_dtype"] == "kivi_4bit"
+
+
+def test_bench_kv_quant_step_size_on_both_sides_and_prefill_kv_on_kivi(capsys, bench_sides):
+    assert cli.main(["bench", "base", "--prefill-kv", "cache"]) == 2
+    assert "--prefill-kv applies to the kv-quant bench only" in capsys.readouterr().err
+    assert cli.main(["bench", "kv-quant", "--quick", "--max-num-batched-tokens", "8192",
+                     "--prefill-kv", "cache"]) == 1
+    assert (bench_sides["baseline"]["max_num_batched_tokens"]
+            == bench_sides["accelerated"]["max_num_batched_tokens"] == 8192)
+    assert bench_sides["accelerated"]["additional_config"] == {
+        "vllm_accel": {"kv_quant": {"prefill_kv": "cache"}}}
+    assert "additional_config" not in bench_sides["baseline"]
