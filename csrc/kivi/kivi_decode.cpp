@@ -9,8 +9,9 @@
 //
 // Keys are quantized per channel over key groups, so the per-channel scale folds into the
 // query once per group:  q . (c * s + z) = sum_d (q_d s_d) c_d + sum_d q_d z_d.
-// Values are quantized per token (value groups of VG channels), so their scale folds into
-// the softmax weight:     sum_t p_t (c_t s_t + z_t) = sum_t (p_t s_t) c_t + sum_t p_t z_t.
+// Values are quantized per token (value groups of VG channels), so the zero point leaves the
+// channel sum:            sum_t p_t (c_t s_t + z_t) = sum_t p_t (c_t s_t) + sum_t p_t z_t,
+// with c_t s_t formed once per token for all query heads.
 // Codes are unpacked once per token and used by every query head of the KV head (GQA).
 //
 // Supported: bits 2/4/8 for K and V, any value group dividing D, no sink tokens, residual
@@ -134,7 +135,7 @@ ALWAYS_INLINE void load_halves(const uint8_t* p, int64_t n, float* out) {
 
 // exp(x) for x <= 0 (softmax scores minus their maximum), within ~2 ulp, flushing below e^-87
 // to ~1e-38 instead of 0.  Written without calls or branches so that the softmax loop vectorizes
-// (std::exp does not, and was a third of a decode step): x = n ln2 + r with |r| <= ln2/2,
+// (over std::exp it does not): x = n ln2 + r with |r| <= ln2/2,
 // exp(r) by its degree-6 Taylor polynomial, 2^n by building the float's exponent.
 ALWAYS_INLINE float exp_nonpositive(float x) {
   x = std::max(x, -87.f);
@@ -198,7 +199,7 @@ struct Scratch {
 // compile time (the common head sizes, so every inner loop is a fixed-length vector loop);
 // 0 reads them from `g`.  Inner loops run over contiguous memory without reductions: key
 // scores as score[t] += f[d] * tile[d][t] over the group's tokens, values as
-// out[d] += w * code[d].  x86-64 builds carry AVX-512 and AVX2+FMA copies (pick_attend).
+// out[d] += p_t * (code * scale)[t][d].  x86-64 builds carry AVX-512 and AVX2+FMA copies (pick_attend).
 template <int DT, int GT>
 ALWAYS_INLINE void attend_one(const Geometry& g, const uint8_t* cache, const int32_t* block_row,
                 int64_t seq_len, const float* q, const float* tail, float* out, Scratch& w) {
