@@ -34,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from vllm_accel.kv_quant.config import PREFILL_KV
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -47,7 +49,7 @@ def main() -> None:
     ap.add_argument("--floor-chunk", type=int, default=None)
     ap.add_argument("--dtype", default="bfloat16",
                     help="model dtype (float32 avoids bf16 emulation on CPUs without AVX512-BF16)")
-    ap.add_argument("--prefill-kv", default="cache", choices=("auto", "exact", "cache"),
+    ap.add_argument("--prefill-kv", default="cache", choices=PREFILL_KV,
                     help="the KIVI engines' kv_quant.prefill_kv (cache: as decode reads)")
     args = ap.parse_args()
 

@@ -76,12 +76,12 @@ def _bench(args: argparse.Namespace) -> int:
         from vllm_accel.bench import kv_quant
 
         model_dtype = args.dtype or kv_quant.MODEL_DTYPE
-        step = ({"max_num_batched_tokens": args.max_num_batched_tokens}
-                if args.max_num_batched_tokens else {})
+        step = args.max_num_batched_tokens
         feature = dataclasses.replace(
-            feature, baseline={**kv_quant.engine_extra("auto", model_dtype), **step},
-            accelerated={**kv_quant.engine_extra(args.kv_cache_dtype or kv_quant.DEFAULT_DTYPE,
-                                                 model_dtype, args.prefill_kv), **step})
+            feature, baseline=kv_quant.engine_extra("auto", model_dtype,
+                                                    max_num_batched_tokens=step),
+            accelerated=kv_quant.engine_extra(args.kv_cache_dtype or kv_quant.DEFAULT_DTYPE,
+                                              model_dtype, args.prefill_kv, step))
     try:
         model_dir, model_name = _model_dir_and_name(args.model or feature.model)
     except UnknownModelError as exc:

@@ -248,23 +248,15 @@ ALWAYS_INLINE void attend_one(const Geometry& g, const uint8_t* cache, const int
     for (int64_t i = 0; i < hq; ++i) {
       const float* fi = folded + i * (D + 1);
       float* si = scores + i * seq_len + t0;
-      if constexpr (GT > 0) {  // the group's scores stay in registers over the channels
-        float acc[GT];
-        for (int64_t t = 0; t < GT; ++t) acc[t] = fi[D];
-        for (int64_t d = 0; d < D; ++d) {
-          const float f = fi[d];
-          const float* row = tile + d * GT;
-          for (int64_t t = 0; t < GT; ++t) acc[t] += f * row[t];
-        }
-        for (int64_t t = 0; t < GT; ++t) si[t] = acc[t];
-      } else {
-        for (int64_t t = 0; t < G; ++t) si[t] = fi[D];
-        for (int64_t d = 0; d < D; ++d) {
-          const float f = fi[d];
-          const float* row = tile + d * G;
-          for (int64_t t = 0; t < G; ++t) si[t] += f * row[t];
-        }
+      float acc[GT > 0 ? GT : 1];
+      float* a = GT > 0 ? acc : si;  // fixed G: the group's scores stay in registers
+      for (int64_t t = 0; t < G; ++t) a[t] = fi[D];
+      for (int64_t d = 0; d < D; ++d) {
+        const float f = fi[d];
+        const float* row = tile + d * G;
+        for (int64_t t = 0; t < G; ++t) a[t] += f * row[t];
       }
+      if constexpr (GT > 0) std::copy(acc, acc + GT, si);
     }
   }
   // --- scores over the unfinished group's full-precision keys

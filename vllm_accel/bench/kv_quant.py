@@ -36,12 +36,16 @@ MAX_NUM_SEQS = 16  # more than the benchmark ever runs at once; sizes the residu
 
 
 def engine_extra(kv_cache_dtype: str, model_dtype: str = MODEL_DTYPE,
-                 prefill_kv: str | None = None) -> dict[str, Any]:
+                 prefill_kv: str | None = None,
+                 max_num_batched_tokens: int | None = None) -> dict[str, Any]:
     """Engine settings of one side: the cache dtype, the model dtype, a fixed KV-cache size;
-    ``prefill_kv`` sets the KIVI knob ``kv_quant.prefill_kv`` (``bench kv-quant --prefill-kv``)."""
+    ``prefill_kv`` sets the KIVI knob ``kv_quant.prefill_kv`` (``bench kv-quant --prefill-kv``),
+    ``max_num_batched_tokens`` vLLM's prefill step size (``--max-num-batched-tokens``)."""
     engine: dict[str, Any] = {"kv_cache_dtype": kv_cache_dtype, "dtype": model_dtype,
                               "kv_cache_memory_bytes": KV_CACHE_BYTES,
                               "max_num_seqs": MAX_NUM_SEQS}
+    if max_num_batched_tokens:
+        engine["max_num_batched_tokens"] = max_num_batched_tokens
     if prefill_kv:
         engine["additional_config"] = {"vllm_accel": {"kv_quant": {"prefill_kv": prefill_kv}}}
     return engine
