@@ -42,13 +42,15 @@ def _choice(self, model, layers, block_table, req, forced, loaded):
     mode, spans = _STATE["mode"], _STATE["spans"]
     allowed = set(loaded)
     if mode.startswith("query"):
-        ratio = float(mode.partition("@")[2] or self.config.recompute_ratio)
-        saved, self.config = self.config, dataclasses.replace(self.config,
-                                                              recompute_ratio=ratio)
-        try:
-            return _query_choice(self, model, layers, block_table, req, forced, loaded)
-        finally:
-            self.config = saved
+        name, _, setting = mode.partition("@")
+        ratio_text, _, window = setting.partition("/w")
+        ratio = float(ratio_text or self.config.recompute_ratio)
+        window = int(window) if window else self.config.query_window
+        if name == "query2":
+            return _two_rounds(self, model, layers, block_table, req, forced, loaded, ratio,
+                               window)
+        return _query_with(self, model, layers, block_table, req, forced, loaded, ratio,
+                           window)
     chosen: set[int] = set()
     if mode == "all":
         chosen = allowed
@@ -65,6 +67,38 @@ def _choice(self, model, layers, block_table, req, forced, loaded):
     elif mode != "none":
         raise SystemExit(f"unknown mode {mode!r}")
     return sorted(chosen & allowed)
+
+
+def _query_with(self, model, layers, block_table, req, forced, loaded, ratio, window):
+    """The connector's ``query`` choice at ``ratio`` and ``window``."""
+    saved, self.config = self.config, dataclasses.replace(self.config, recompute_ratio=ratio,
+                                                          query_window=window)
+    try:
+        return _query_choice(self, model, layers, block_table, req, forced, loaded)
+    finally:
+        self.config = saved
+
+
+def _two_rounds(self, model, layers, block_table, req, forced, loaded, ratio, window):
+    """``query2``: half the budget chosen by a probe and recomputed, then the other half chosen
+    by a second probe over the refreshed pages (the connector recomputes that half)."""
+    import torch
+
+    from vllm_accel.kv_connector import blend
+
+    first = _query_with(self, model, layers, block_table, req, forced, loaded, ratio / 2,
+                        window)
+    if not first:
+        return first
+    device = block_table.device
+    blend.recompute_tokens(model, layers, block_table,
+                           torch.tensor([req.token_ids[p] for p in first], device=device),
+                           torch.tensor(first, dtype=torch.long, device=device))
+    taken = set(first)
+    rest = [p for p in loaded if p not in taken]
+    second_ratio = min(1.0, ratio / 2 * len(loaded) / max(1, len(rest)))
+    return _query_with(self, model, layers, block_table, req, forced, rest, second_ratio,
+                       window)
 
 
 def _fact_offset(tokenizer, ids: list[int]) -> int:

@@ -1,12 +1,14 @@
-"""One decode step of one attention layer on the CPU: bf16 cache (SDPA over the gathered pages,
-what a dense paged decode reads) vs the KIVI cache through the torch path and the native kernel.
+"""One decode step of one attention layer on the CPU: bf16 cache (vLLM's own CPU attention
+kernel, what ``--kv-cache-dtype auto`` runs, and SDPA over the gathered pages) vs the KIVI cache
+through the torch path and the native kernel.
 
     .venv/bin/python benchmarks/kivi_cpu_decode.py [--context 2048] [--batch 1] \
         [--heads 14 --kv-heads 2 --head-size 64] [--dtype kivi_4bit] [--repeats 20]
 
-Prints the median milliseconds of each and the ratios against bf16, all measured in this run
-(Qwen2.5-0.5B geometry by default). The bf16 row gathers the sequence's pages from a paged bf16
-cache and runs SDPA, like the KIVI torch path does after dequantizing.
+Prints the median milliseconds of each and the speed relative to vLLM's kernel (to the gather
+row where vLLM is not installed), all measured in this run (Qwen2.5-0.5B geometry by default).
+The gather row gathers the sequence's pages from a paged bf16 cache and runs SDPA, like the KIVI
+torch path does after dequantizing.
 """
 
 from __future__ import annotations
@@ -41,6 +43,46 @@ def add_geometry_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--head-size", type=int, default=64)
     ap.add_argument("--dtype", default="kivi_4bit")
     ap.add_argument("--block-size", type=int, default=128)
+
+
+def vllm_cpu_decode(k, v, q, table, lens, slots, num_blocks, block_size):
+    """vLLM's own CPU decode over a bf16 paged cache (what ``--kv-cache-dtype auto`` runs in
+    the engine, AMX where the CPU has it), as a call, checked against SDPA; None without vLLM.
+    """
+    try:
+        from vllm import _custom_ops as ops
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    except ImportError:
+        return None
+    b, hq, d = q.shape
+    hkv = k.shape[1]
+    isa = _get_attn_isa(torch.bfloat16, block_size, d)
+    kv = torch.zeros(num_blocks, hkv, 2 * block_size, d, dtype=torch.bfloat16)
+    key_cache, value_cache = kv.chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, isa)
+    qsl = torch.arange(b + 1, dtype=torch.int32)
+    meta = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=b, num_heads=hq, num_kv_heads=hkv, head_dim=d, seq_lens=lens,
+        dtype=torch.bfloat16, query_start_loc=qsl, causal=True, sliding_window_size=-1,
+        isa=isa, enable_kv_split=True)
+    out = torch.empty_like(q)
+
+    def run():
+        ops.cpu_attention_with_kv_cache(
+            query=q, key_cache=key_cache, value_cache=value_cache, output=out,
+            query_start_loc=qsl, seq_lens=lens, scale=d ** -0.5, causal=True,
+            alibi_slopes=None, sliding_window=-1, block_table=table, softcap=0.0,
+            scheduler_metadata=meta, s_aux=None)
+
+    run()
+    length = int(lens[0])
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q[:1].float().transpose(0, 1)[None], k[:length].float().transpose(0, 1)[None],
+        v[:length].float().transpose(0, 1)[None], scale=d ** -0.5, enable_gqa=hq != hkv)
+    err = float((out[0].float() - want[0].transpose(0, 1)).abs().max())
+    if err > 0.05:
+        raise SystemExit(f"vLLM's CPU decode disagrees with SDPA here (max error {err:.3g})")
+    return run
 
 
 def main() -> None:
@@ -83,15 +125,20 @@ def main() -> None:
         return lambda: kivi_paged_attention(q, cache, table, lens, qsl, d ** -0.5, lay,
                                             k_tail=tail, tail_index=tail_index, backend=backend)
 
-    rows = {"bf16 (gather + SDPA)": median_ms(bf16, args.repeats),
-            f"{args.dtype} torch path": median_ms(kivi("torch"), args.repeats)}
+    rows = {"bf16 (gather + SDPA)": median_ms(bf16, args.repeats)}
+    engine_bf16 = vllm_cpu_decode(k, v, q, table, lens, slots, b * pages, n)
+    if engine_bf16 is not None:
+        rows["bf16, vLLM's CPU kernel"] = median_ms(engine_bf16, args.repeats)
+    rows[f"{args.dtype} torch path"] = median_ms(kivi("torch"), args.repeats)
     if HAS_NATIVE:
         rows[f"{args.dtype} native"] = median_ms(kivi("native"), args.repeats)
-    base = rows["bf16 (gather + SDPA)"]
+    base_name = next(name for name in ("bf16, vLLM's CPU kernel", "bf16 (gather + SDPA)")
+                     if name in rows)
+    base = rows[base_name]
     print(f"decode, one layer: batch {b}, context {L}, {hq}/{hkv} heads, D={d}, "
-          f"{torch.get_num_threads()} threads")
+          f"{torch.get_num_threads()} threads; speed relative to {base_name}")
     for name, ms in rows.items():
-        print(f"  {name:28s} {ms:8.3f} ms   speed vs bf16 {base / ms:5.2f}x")
+        print(f"  {name:28s} {ms:8.3f} ms   speed {base / ms:5.2f}x")
 
 
 if __name__ == "__main__":

@@ -9,10 +9,10 @@
 //
 // Keys are quantized per channel over key groups, so the per-channel scale folds into the
 // query once per group:  q . (c * s + z) = sum_d (q_d s_d) c_d + sum_d q_d z_d.
-// Values are quantized per token (value groups of VG channels), so the zero point leaves the
-// channel sum:            sum_t p_t (c_t s_t + z_t) = sum_t p_t (c_t s_t) + sum_t p_t z_t,
-// with c_t s_t formed once per token for all query heads.
-// Codes are unpacked once per token and used by every query head of the KV head (GQA).
+// Values are quantized per token (value groups of VG channels): each block of tokens is
+// dequantized once (c_t s_t + z_t) into a small tile that every query head then sums.
+// Codes are unpacked once per group or block and used by every query head of the KV head
+// (GQA).
 //
 // Supported: bits 2/4/8 for K and V, any value group dividing D, no sink tokens, residual
 // keys of the unfinished group passed as fp32 rows (gathered by the caller from either the
@@ -154,24 +154,41 @@ ALWAYS_INLINE float exp_nonpositive(float x) {
   return p * two_n;
 }
 
-// Unpack one token row of `d` codes (low channel in the low bits of each byte).
-ALWAYS_INLINE void unpack_row(const uint8_t* row, int bits, int d, float* out) {
+// sum_i a[i] b[i] with kLanes partial sums (vectorizes without reassociation flags).
+constexpr int64_t kLanes = 16;
+ALWAYS_INLINE float dot_lanes(const float* a, const float* b, int64_t n) {
+  float lane[kLanes] = {};
+  const int64_t body = n / kLanes * kLanes;
+  for (int64_t i0 = 0; i0 < body; i0 += kLanes) {
+    for (int64_t j = 0; j < kLanes; ++j) lane[j] += a[i0 + j] * b[i0 + j];
+  }
+  float sum = 0.f;
+  for (int64_t j = 0; j < kLanes; ++j) sum += lane[j];
+  for (int64_t i = body; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+// Dequantize `n` channels of one code row (a value group, or a whole key row with s = 1, z = 0;
+// byte-aligned, n a multiple of 8): out[c] = code_c * s + z, in one pass (the zero point folded
+// in, instead of a separate per-head sum of p_t z_t whose accumulator went through memory).
+ALWAYS_INLINE void dequant_group(const uint8_t* row, int bits, int64_t n, float s, float z,
+                                 float* out) {
   if (bits == 4) {
-    for (int j = 0; j < d / 2; ++j) {
+    for (int64_t j = 0; j < n / 2; ++j) {
       const uint8_t b = row[j];
-      out[2 * j] = static_cast<float>(b & 0x0f);
-      out[2 * j + 1] = static_cast<float>(b >> 4);
+      out[2 * j] = static_cast<float>(b & 0x0f) * s + z;
+      out[2 * j + 1] = static_cast<float>(b >> 4) * s + z;
     }
   } else if (bits == 2) {
-    for (int j = 0; j < d / 4; ++j) {
+    for (int64_t j = 0; j < n / 4; ++j) {
       const uint8_t b = row[j];
-      out[4 * j] = static_cast<float>(b & 0x03);
-      out[4 * j + 1] = static_cast<float>((b >> 2) & 0x03);
-      out[4 * j + 2] = static_cast<float>((b >> 4) & 0x03);
-      out[4 * j + 3] = static_cast<float>(b >> 6);
+      out[4 * j] = static_cast<float>(b & 0x03) * s + z;
+      out[4 * j + 1] = static_cast<float>((b >> 2) & 0x03) * s + z;
+      out[4 * j + 2] = static_cast<float>((b >> 4) & 0x03) * s + z;
+      out[4 * j + 3] = static_cast<float>(b >> 6) * s + z;
     }
   } else {
-    for (int j = 0; j < d; ++j) out[j] = static_cast<float>(row[j]);
+    for (int64_t j = 0; j < n; ++j) out[j] = static_cast<float>(row[j]) * s + z;
   }
 }
 
@@ -188,11 +205,10 @@ struct Scratch {
   std::vector<float> scores;  // [hq, seq_len] scores, then softmax weights
   std::vector<float> tile;    // [D, G] codes of one key group, channel-major
   std::vector<float> codes;   // [D] codes of one key row
-  std::vector<float> vtile;   // [kValueBlock, D] value codes times their token's scale
-  std::vector<float> vzero;   // [kValueBlock, value groups] their zero points
+  std::vector<float> vtile;   // [kValueBlock, D] dequantized values of a block of tokens
   std::vector<float> folded;  // [hq, D + 1] query * key scale, and the q . zero bias
   std::vector<float> kscale;  // [2, D] the key group's scales and zero points as float
-  std::vector<float> denom, zsum;
+  std::vector<float> denom;
 };
 
 // Attention of the query heads of one KV head of one sequence.  DT / GT > 0 fix D / G at
@@ -214,11 +230,10 @@ ALWAYS_INLINE void attend_one(const Geometry& g, const uint8_t* cache, const int
   const int64_t block_stride = g.block_stride;
   w.scores.resize(static_cast<size_t>(hq * seq_len));
   w.tile.resize(static_cast<size_t>(D * G));
-  w.codes.resize(static_cast<size_t>(D));
+  w.codes.resize(static_cast<size_t>(16 * D));
   w.folded.resize(static_cast<size_t>(hq * (D + 1)));
   w.kscale.resize(static_cast<size_t>(2 * D));
   w.denom.assign(static_cast<size_t>(hq), 0.f);
-  w.zsum.assign(static_cast<size_t>(hq * vgroups), 0.f);
   float* scores = w.scores.data();
   float* tile = w.tile.data();
   float* codes = w.codes.data();
@@ -236,14 +251,17 @@ ALWAYS_INLINE void attend_one(const Geometry& g, const uint8_t* cache, const int
       const float* qi = q + i * D;
       float* fi = folded + i * (D + 1);
       for (int64_t d = 0; d < D; ++d) fi[d] = qi[d] * g.scale * ks[d];
-      float bias = 0.f;
-      for (int64_t d = 0; d < D; ++d) bias += qi[d] * kz[d];
-      fi[D] = bias * g.scale;
+      fi[D] = dot_lanes(qi, kz, D) * g.scale;
     }
-    for (int64_t t = 0; t < G; ++t) {  // unpack the group channel-major
-      unpack_row(page + g.off_kc + (first + t) * k_row, static_cast<int>(g.bits_k),
-                 static_cast<int>(D), codes);
-      for (int64_t d = 0; d < D; ++d) tile[d * G + t] = codes[d];
+    for (int64_t t0 = 0; t0 < G; t0 += 16) {  // unpack the group channel-major
+      const int64_t nt = std::min<int64_t>(16, G - t0);
+      for (int64_t r = 0; r < nt; ++r) {
+        dequant_group(page + g.off_kc + (first + t0 + r) * k_row, static_cast<int>(g.bits_k), D,
+                      1.f, 0.f, codes + r * D);
+      }
+      for (int64_t d = 0; d < D; ++d) {
+        for (int64_t r = 0; r < nt; ++r) tile[d * G + t0 + r] = codes[r * D + d];
+      }
     }
     for (int64_t i = 0; i < hq; ++i) {
       const float* fi = folded + i * (D + 1);
@@ -264,14 +282,11 @@ ALWAYS_INLINE void attend_one(const Geometry& g, const uint8_t* cache, const int
     const float* k = tail + (t - quantized) * D;
     for (int64_t i = 0; i < hq; ++i) {
       const float* qi = q + i * D;
-      float acc = 0.f;
-      for (int64_t d = 0; d < D; ++d) acc += qi[d] * k[d];
-      scores[i * seq_len + t] = acc * g.scale;
+      scores[i * seq_len + t] = dot_lanes(qi, k, D) * g.scale;
     }
   }
   // --- softmax per query head (weights left unnormalised; divided at the end).  Max and sum
   // keep kLanes partial results so that both loops vectorize without reassociation flags.
-  constexpr int64_t kLanes = 16;
   for (int64_t i = 0; i < hq; ++i) {
     float* si = scores + i * seq_len;
     const int64_t body = seq_len / kLanes * kLanes;
@@ -299,29 +314,26 @@ ALWAYS_INLINE void attend_one(const Geometry& g, const uint8_t* cache, const int
     w.denom[i] = sum;
     std::fill(out + i * D, out + (i + 1) * D, 0.f);
   }
-  // --- values, kValueBlock tokens at a time: the block's codes are unpacked once with their
-  // per-token scales folded in (vtile[t][d] = code * scale), then each query head sums its
-  // weights over the block into accumulators that stay in registers (fixed D); the zero
-  // points add p_t * zero per value group.
+  // --- values, kValueBlock tokens at a time: the block's codes are dequantized once
+  // (vtile[t][d] = code * scale + zero, per value group), then each query head sums its
+  // weights over the block into accumulators that stay in registers (fixed D).
   constexpr int64_t kValueBlock = 32;
   w.vtile.resize(static_cast<size_t>(kValueBlock * D));
-  w.vzero.resize(static_cast<size_t>(kValueBlock * vgroups));
   float* vtile = w.vtile.data();
-  float* vzero = w.vzero.data();
+  const int64_t vg_bytes = g.value_group * g.bits_v / 8;
   for (int64_t b0 = 0; b0 < seq_len; b0 += kValueBlock) {
     const int64_t nb = std::min(kValueBlock, seq_len - b0);
     for (int64_t r = 0; r < nb; ++r) {
       const int64_t t = b0 + r;
       const uint8_t* page = cache + block_row[t / N] * block_stride;
       const int64_t o = t % N;
-      float* vr = vtile + r * D;
-      unpack_row(page + g.off_vc + o * v_row, static_cast<int>(g.bits_v), static_cast<int>(D),
-                 vr);
+      const uint8_t* codes_row = page + g.off_vc + o * v_row;
       for (int64_t vg = 0; vg < vgroups; ++vg) {
-        float vs;
+        float vs, vz;
         load_halves(page + g.off_vs + (o * vgroups + vg) * 2, 1, &vs);
-        load_halves(page + g.off_vz + (o * vgroups + vg) * 2, 1, vzero + r * vgroups + vg);
-        for (int64_t d = vg * g.value_group; d < (vg + 1) * g.value_group; ++d) vr[d] *= vs;
+        load_halves(page + g.off_vz + (o * vgroups + vg) * 2, 1, &vz);
+        dequant_group(codes_row + vg * vg_bytes, static_cast<int>(g.bits_v), g.value_group, vs,
+                      vz, vtile + r * D + vg * g.value_group);
       }
     }
     for (int64_t i = 0; i < hq; ++i) {
@@ -334,9 +346,6 @@ ALWAYS_INLINE void attend_one(const Geometry& g, const uint8_t* cache, const int
         const float p = pi[r];
         const float* vr = vtile + r * D;
         for (int64_t d = 0; d < D; ++d) a[d] += p * vr[d];
-        for (int64_t vg = 0; vg < vgroups; ++vg) {
-          w.zsum[i * vgroups + vg] += p * vzero[r * vgroups + vg];
-        }
       }
       if constexpr (DT > 0) {
         for (int64_t d = 0; d < DT; ++d) oi[d] += acc[d];
@@ -344,14 +353,8 @@ ALWAYS_INLINE void attend_one(const Geometry& g, const uint8_t* cache, const int
     }
   }
   for (int64_t i = 0; i < hq; ++i) {
-    float* oi = out + i * D;
     const float inv = 1.f / w.denom[i];
-    for (int64_t vg = 0; vg < vgroups; ++vg) {
-      const float z = w.zsum[i * vgroups + vg];
-      for (int64_t d = vg * g.value_group; d < (vg + 1) * g.value_group; ++d) {
-        oi[d] = (oi[d] + z) * inv;
-      }
-    }
+    for (int64_t d = 0; d < D; ++d) out[i * D + d] *= inv;
   }
 }
 
