@@ -168,6 +168,18 @@ ALWAYS_INLINE float dot_lanes(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
+// kTwoBitCodes[b][k] = the k-th 2-bit code of byte b (low bits first), as a float.
+struct TwoBitTable {
+  float codes[256][4];
+  TwoBitTable() {
+    for (int b = 0; b < 256; ++b) {
+      for (int k = 0; k < 4; ++k) codes[b][k] = static_cast<float>((b >> (2 * k)) & 0x03);
+    }
+  }
+};
+const TwoBitTable kTwoBitTable;
+const auto& kTwoBitCodes = kTwoBitTable.codes;
+
 // Dequantize `n` channels of one code row (a value group, or a whole key row with s = 1, z = 0;
 // byte-aligned, n a multiple of 8): out[c] = code_c * s + z, in one pass (the zero point folded
 // in, instead of a separate per-head sum of p_t z_t whose accumulator went through memory).
@@ -179,13 +191,10 @@ ALWAYS_INLINE void dequant_group(const uint8_t* row, int bits, int64_t n, float 
       out[2 * j] = static_cast<float>(b & 0x0f) * s + z;
       out[2 * j + 1] = static_cast<float>(b >> 4) * s + z;
     }
-  } else if (bits == 2) {
+  } else if (bits == 2) {  // a byte's four codes as one 4-float row of a table
     for (int64_t j = 0; j < n / 4; ++j) {
-      const uint8_t b = row[j];
-      out[4 * j] = static_cast<float>(b & 0x03) * s + z;
-      out[4 * j + 1] = static_cast<float>((b >> 2) & 0x03) * s + z;
-      out[4 * j + 2] = static_cast<float>((b >> 4) & 0x03) * s + z;
-      out[4 * j + 3] = static_cast<float>(b >> 6) * s + z;
+      const float* c = kTwoBitCodes[row[j]];
+      for (int k = 0; k < 4; ++k) out[4 * j + k] = c[k] * s + z;
     }
   } else {
     for (int64_t j = 0; j < n; ++j) out[j] = static_cast<float>(row[j]) * s + z;
@@ -213,10 +222,10 @@ struct Scratch {
 
 // Attention of the query heads of one KV head of one sequence.  DT / GT > 0 fix D / G at
 // compile time (the common head sizes, so every inner loop is a fixed-length vector loop);
-// 0 reads them from `g`.  Inner loops run over contiguous memory without reductions: key
+// 0 reads them from `g`.  HB > 1 (fixed sizes only) runs HB query heads per pass over a tile.  Inner loops run over contiguous memory without reductions: key
 // scores as score[t] += f[d] * tile[d][t] over the group's tokens, values as
 // out[d] += p_t * (code * scale)[t][d].  x86-64 builds carry AVX-512 and AVX2+FMA copies (pick_attend).
-template <int DT, int GT>
+template <int DT, int GT, int HB>
 ALWAYS_INLINE void attend_one(const Geometry& g, const uint8_t* cache, const int32_t* block_row,
                 int64_t seq_len, const float* q, const float* tail, float* out, Scratch& w) {
   const int64_t D = DT > 0 ? DT : g.head_size;
@@ -263,18 +272,34 @@ ALWAYS_INLINE void attend_one(const Geometry& g, const uint8_t* cache, const int
         for (int64_t r = 0; r < nt; ++r) tile[d * G + t0 + r] = codes[r * D + d];
       }
     }
-    for (int64_t i = 0; i < hq; ++i) {
-      const float* fi = folded + i * (D + 1);
-      float* si = scores + i * seq_len + t0;
-      float acc[GT > 0 ? GT : 1];
-      float* a = GT > 0 ? acc : si;  // fixed G: the group's scores stay in registers
-      for (int64_t t = 0; t < G; ++t) a[t] = fi[D];
-      for (int64_t d = 0; d < D; ++d) {
-        const float f = fi[d];
-        const float* row = tile + d * G;
-        for (int64_t t = 0; t < G; ++t) a[t] += f * row[t];
+    if constexpr (GT > 0) {  // HB heads at a time: each tile row is loaded once for all
+      for (int64_t i0 = 0; i0 < hq; i0 += HB) {
+        const float* fh[HB];  // heads past hq repeat the last one (computed, not stored)
+        for (int h = 0; h < HB; ++h) fh[h] = folded + std::min<int64_t>(i0 + h, hq - 1) * (D + 1);
+        float acc[HB][GT];  // the group's scores stay in registers
+        for (int h = 0; h < HB; ++h) std::fill(acc[h], acc[h] + GT, fh[h][D]);
+        for (int64_t d = 0; d < D; ++d) {
+          const float* row = tile + d * GT;
+          for (int h = 0; h < HB; ++h) {
+            const float f = fh[h][d];
+            for (int64_t t = 0; t < GT; ++t) acc[h][t] += f * row[t];
+          }
+        }
+        for (int64_t h = 0; h < std::min<int64_t>(HB, hq - i0); ++h) {
+          std::copy(acc[h], acc[h] + GT, scores + (i0 + h) * seq_len + t0);
+        }
       }
-      if constexpr (GT > 0) std::copy(acc, acc + GT, si);
+    } else {
+      for (int64_t i = 0; i < hq; ++i) {
+        const float* fi = folded + i * (D + 1);
+        float* si = scores + i * seq_len + t0;
+        for (int64_t t = 0; t < G; ++t) si[t] = fi[D];
+        for (int64_t d = 0; d < D; ++d) {
+          const float f = fi[d];
+          const float* row = tile + d * G;
+          for (int64_t t = 0; t < G; ++t) si[t] += f * row[t];
+        }
+      }
     }
   }
   // --- scores over the unfinished group's full-precision keys
@@ -336,19 +361,34 @@ ALWAYS_INLINE void attend_one(const Geometry& g, const uint8_t* cache, const int
                       vz, vtile + r * D + vg * g.value_group);
       }
     }
-    for (int64_t i = 0; i < hq; ++i) {
-      const float* pi = scores + i * seq_len + b0;
-      float* oi = out + i * D;
-      float acc[DT > 0 ? DT : 1];
-      float* a = DT > 0 ? acc : oi;  // fixed D: registers; otherwise straight into out
-      if constexpr (DT > 0) std::fill(acc, acc + DT, 0.f);
-      for (int64_t r = 0; r < nb; ++r) {
-        const float p = pi[r];
-        const float* vr = vtile + r * D;
-        for (int64_t d = 0; d < D; ++d) a[d] += p * vr[d];
+    if constexpr (DT > 0) {  // HB heads at a time: each value row is loaded once for all
+      for (int64_t i0 = 0; i0 < hq; i0 += HB) {
+        const float* ph[HB];  // heads past hq repeat the last one (computed, not stored)
+        for (int h = 0; h < HB; ++h) {
+          ph[h] = scores + std::min<int64_t>(i0 + h, hq - 1) * seq_len + b0;
+        }
+        float acc[HB][DT] = {};  // registers
+        for (int64_t r = 0; r < nb; ++r) {
+          const float* vr = vtile + r * DT;
+          for (int h = 0; h < HB; ++h) {
+            const float p = ph[h][r];
+            for (int64_t d = 0; d < DT; ++d) acc[h][d] += p * vr[d];
+          }
+        }
+        for (int64_t h = 0; h < std::min<int64_t>(HB, hq - i0); ++h) {
+          float* oi = out + (i0 + h) * DT;
+          for (int64_t d = 0; d < DT; ++d) oi[d] += acc[h][d];
+        }
       }
-      if constexpr (DT > 0) {
-        for (int64_t d = 0; d < DT; ++d) oi[d] += acc[d];
+    } else {
+      for (int64_t i = 0; i < hq; ++i) {
+        const float* pi = scores + i * seq_len + b0;
+        float* oi = out + i * D;
+        for (int64_t r = 0; r < nb; ++r) {
+          const float p = pi[r];
+          const float* vr = vtile + r * D;
+          for (int64_t d = 0; d < D; ++d) oi[d] += p * vr[d];
+        }
       }
     }
   }
@@ -363,17 +403,25 @@ using AttendFn = void (*)(const Geometry&, const uint8_t*, const int32_t*, int64
 
 // One compiled copy of attend_one per instruction set, chosen at run time (GCC's
 // target_clones dispatched to its baseline copy from this module, found with perf).
-#define ATTEND_FOR_ISA(NAME, TARGET)                                                         \
+// ACC_FLOATS: the accumulator floats a copy may keep in registers; with DT and GT fixed, HB =
+// ACC_FLOATS / max(DT, GT) query heads (1 to 4) share each loaded tile row (AVX-512: 32 zmm
+// registers, 16 of them accumulators; AVX2's 16 ymm registers hold one head's).
+constexpr int heads_per_pass(int dt, int gt, int acc_floats) {
+  return dt > 0 && gt > 0 ? std::max(1, std::min(4, acc_floats / std::max(dt, gt))) : 1;
+}
+#define ATTEND_FOR_ISA(NAME, TARGET, ACC_FLOATS)                                             \
   template <int DT, int GT>                                                                  \
   TARGET void NAME(const Geometry& g, const uint8_t* cache, const int32_t* block_row,        \
                    int64_t seq_len, const float* q, const float* tail, float* out,           \
                    Scratch& w) {                                                             \
-    attend_one<DT, GT>(g, cache, block_row, seq_len, q, tail, out, w);                       \
+    attend_one<DT, GT, heads_per_pass(DT, GT, ACC_FLOATS)>(g, cache, block_row, seq_len, q,  \
+                                                            tail, out, w);                   \
   }
-ATTEND_FOR_ISA(attend_baseline, )
+ATTEND_FOR_ISA(attend_baseline, , 0)
 #if defined(__x86_64__) && defined(__GNUC__)
-ATTEND_FOR_ISA(attend_avx2, __attribute__((target("avx2,fma,f16c"))))
-ATTEND_FOR_ISA(attend_avx512, __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))))
+ATTEND_FOR_ISA(attend_avx2, __attribute__((target("avx2,fma,f16c"))), 0)
+ATTEND_FOR_ISA(attend_avx512, __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))),
+               256)
 #endif
 
 // The widest copy this CPU runs; VLLM_ACCEL_KIVI_ISA=avx2|baseline caps it (tests run every
