@@ -6,8 +6,10 @@ per *selection mode*, a mode being the set of reused tokens recomputed in every 
 
 * ``all`` — every reused token (equals full recompute; the reference accuracy);
 * ``none`` — nothing (naive reuse);
-* ``query`` / ``query@R`` — the connector's ``recompute=query`` choice at ``recompute_ratio`` R
-  (default 0.15);
+* ``query`` / ``query@R`` / ``query@R/wW`` — the connector's ``recompute=query`` choice at
+  ``recompute_ratio`` R (default 0.15) and ``query_window`` W (default 4);
+* ``query2`` / ``query2@R`` — two rounds: half the budget chosen by the probe and recomputed,
+  then a second probe over the refreshed pages chooses the other half;
 * ``facts`` — oracle: the inserted fact sentence of every document (4 tokens before it, 16 from
   its start), nothing else;
 * ``first`` — the first 16 tokens of every document (EPIC's choice);

@@ -213,7 +213,7 @@ struct Geometry {
 struct Scratch {
   std::vector<float> scores;  // [hq, seq_len] scores, then softmax weights
   std::vector<float> tile;    // [D, G] codes of one key group, channel-major
-  std::vector<float> codes;   // [D] codes of one key row
+  std::vector<float> codes;   // [16, D] codes of 16 key rows, token-major
   std::vector<float> vtile;   // [kValueBlock, D] dequantized values of a block of tokens
   std::vector<float> folded;  // [hq, D + 1] query * key scale, and the q . zero bias
   std::vector<float> kscale;  // [2, D] the key group's scales and zero points as float
@@ -222,9 +222,11 @@ struct Scratch {
 
 // Attention of the query heads of one KV head of one sequence.  DT / GT > 0 fix D / G at
 // compile time (the common head sizes, so every inner loop is a fixed-length vector loop);
-// 0 reads them from `g`.  HB > 1 (fixed sizes only) runs HB query heads per pass over a tile.  Inner loops run over contiguous memory without reductions: key
-// scores as score[t] += f[d] * tile[d][t] over the group's tokens, values as
-// out[d] += p_t * (code * scale)[t][d].  x86-64 builds carry AVX-512 and AVX2+FMA copies (pick_attend).
+// 0 reads them from `g`.  HB > 1 (fixed sizes only) runs HB query heads per pass over a tile.
+// Inner loops run over contiguous memory without reductions: key scores as
+// score[t] += f[d] * tile[d][t] over the group's tokens, values as
+// out[d] += p_t * (code * scale + zero)[t][d].  x86-64 builds carry AVX-512 and AVX2+FMA
+// copies (pick_attend).
 template <int DT, int GT, int HB>
 ALWAYS_INLINE void attend_one(const Geometry& g, const uint8_t* cache, const int32_t* block_row,
                 int64_t seq_len, const float* q, const float* tail, float* out, Scratch& w) {
