@@ -201,6 +201,29 @@ ALWAYS_INLINE void dequant_group(const uint8_t* row, int bits, int64_t n, float 
   }
 }
 
+// The per-head rows of query heads i0 .. i0+HB-1 (rows[h] = base + head * stride); heads past
+// hq repeat the last one, so a pass always runs HB heads (the extra ones are not stored).
+template <int HB>
+ALWAYS_INLINE void head_rows(const float* base, int64_t stride, int64_t i0, int64_t hq,
+                             const float* (&rows)[HB]) {
+  for (int h = 0; h < HB; ++h) rows[h] = base + std::min<int64_t>(i0 + h, hq - 1) * stride;
+}
+
+// acc[h][x] += sum_j weights[h][j] * tile[j * N + x] over `count` tile rows: each row is loaded
+// once for the HB heads (key scores: rows are channels, weights the folded query; values: rows
+// are tokens, weights the softmax weights).
+template <int HB, int N>
+ALWAYS_INLINE void accumulate_heads(const float* const (&weights)[HB], const float* tile,
+                                    int64_t count, float (&acc)[HB][N]) {
+  for (int64_t j = 0; j < count; ++j) {
+    const float* row = tile + j * N;
+    for (int h = 0; h < HB; ++h) {
+      const float w = weights[h][j];
+      for (int64_t x = 0; x < N; ++x) acc[h][x] += w * row[x];
+    }
+  }
+}
+
 struct Geometry {
   int64_t block_stride, head_stride;  // bytes between blocks / KV heads of the cache
   int64_t page_bytes, num_kv_heads, num_q_heads, head_size, block_size, key_group;
@@ -276,17 +299,11 @@ ALWAYS_INLINE void attend_one(const Geometry& g, const uint8_t* cache, const int
     }
     if constexpr (GT > 0) {  // HB heads at a time: each tile row is loaded once for all
       for (int64_t i0 = 0; i0 < hq; i0 += HB) {
-        const float* fh[HB];  // heads past hq repeat the last one (computed, not stored)
-        for (int h = 0; h < HB; ++h) fh[h] = folded + std::min<int64_t>(i0 + h, hq - 1) * (D + 1);
+        const float* fh[HB];
+        head_rows(folded, D + 1, i0, hq, fh);
         float acc[HB][GT];  // the group's scores stay in registers
         for (int h = 0; h < HB; ++h) std::fill(acc[h], acc[h] + GT, fh[h][D]);
-        for (int64_t d = 0; d < D; ++d) {
-          const float* row = tile + d * GT;
-          for (int h = 0; h < HB; ++h) {
-            const float f = fh[h][d];
-            for (int64_t t = 0; t < GT; ++t) acc[h][t] += f * row[t];
-          }
-        }
+        accumulate_heads(fh, tile, D, acc);
         for (int64_t h = 0; h < std::min<int64_t>(HB, hq - i0); ++h) {
           std::copy(acc[h], acc[h] + GT, scores + (i0 + h) * seq_len + t0);
         }
@@ -365,18 +382,10 @@ ALWAYS_INLINE void attend_one(const Geometry& g, const uint8_t* cache, const int
     }
     if constexpr (DT > 0) {  // HB heads at a time: each value row is loaded once for all
       for (int64_t i0 = 0; i0 < hq; i0 += HB) {
-        const float* ph[HB];  // heads past hq repeat the last one (computed, not stored)
-        for (int h = 0; h < HB; ++h) {
-          ph[h] = scores + std::min<int64_t>(i0 + h, hq - 1) * seq_len + b0;
-        }
+        const float* ph[HB];
+        head_rows(scores + b0, seq_len, i0, hq, ph);
         float acc[HB][DT] = {};  // registers
-        for (int64_t r = 0; r < nb; ++r) {
-          const float* vr = vtile + r * DT;
-          for (int h = 0; h < HB; ++h) {
-            const float p = ph[h][r];
-            for (int64_t d = 0; d < DT; ++d) acc[h][d] += p * vr[d];
-          }
-        }
+        accumulate_heads(ph, vtile, nb, acc);
         for (int64_t h = 0; h < std::min<int64_t>(HB, hq - i0); ++h) {
           float* oi = out + (i0 + h) * DT;
           for (int64_t d = 0; d < DT; ++d) oi[d] += acc[h][d];
