@@ -7,6 +7,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -65,6 +66,7 @@ def _bench(args: argparse.Namespace) -> int:
         ("--kv-cache-dtype", getattr(args, "kv_cache_dtype", None)),
         ("--dtype", getattr(args, "dtype", None)),
         ("--prefill-kv", getattr(args, "prefill_kv", None)),
+        ("--kv-quant", getattr(args, "kv_quant", None)),
         ("--max-num-batched-tokens", getattr(args, "max_num_batched_tokens", None))) if value}
     if kv_quant_flags:
         if args.feature != "kv-quant":
@@ -77,11 +79,16 @@ def _bench(args: argparse.Namespace) -> int:
 
         model_dtype = args.dtype or kv_quant.MODEL_DTYPE
         step = args.max_num_batched_tokens
+        try:
+            knobs = _kv_quant_knobs(args.kv_quant or [], args.prefill_kv)
+        except ValueError as exc:
+            print(f"vllm-accel bench kv-quant: {exc}", file=sys.stderr)
+            return 2
         feature = dataclasses.replace(
             feature, baseline=kv_quant.engine_extra("auto", model_dtype,
                                                     max_num_batched_tokens=step),
             accelerated=kv_quant.engine_extra(args.kv_cache_dtype or kv_quant.DEFAULT_DTYPE,
-                                              model_dtype, args.prefill_kv, step))
+                                              model_dtype, knobs, step))
     try:
         model_dir, model_name = _model_dir_and_name(args.model or feature.model)
     except UnknownModelError as exc:
@@ -106,6 +113,28 @@ def _bench(args: argparse.Namespace) -> int:
         write_plot(result, args.plot)
         print(f"wrote {args.plot}")
     return 0
+
+
+def _kv_quant_knobs(pairs: list[str], prefill_kv: str | None) -> dict[str, Any]:
+    """``--kv-quant KNOB=VALUE`` (and ``--prefill-kv``) as the ``kv_quant`` section of the KIVI
+    side, validated here so a typo fails before any engine starts."""
+    import json
+
+    from vllm_accel.kv_quant.config import load_knobs
+
+    knobs: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--kv-quant {pair!r}: expected KNOB=VALUE, e.g. sink_tokens=4")
+        try:
+            knobs[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            knobs[key] = raw
+    if prefill_kv:
+        knobs["prefill_kv"] = prefill_kv
+    load_knobs({"vllm_accel": {"kv_quant": knobs}})
+    return knobs
 
 
 def _bench_own_runner(name: str, args: argparse.Namespace) -> int:
@@ -375,6 +404,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--prefill-kv", choices=PREFILL_KV,
                            help="kv-quant only: the KIVI side's kv_quant.prefill_kv (default "
                            "auto; cache scores prompt perplexity as decode steps read)")
+            p.add_argument("--kv-quant", action="append", metavar="KNOB=VALUE",
+                           help="kv-quant only: a kv_quant knob of the KIVI side (repeatable), "
+                           "e.g. --kv-quant sink_tokens=4 --kv-quant value_group=32")
             p.add_argument("--max-num-batched-tokens", type=int,
                            help="kv-quant only: vLLM's prefill step size on both sides (CPU "
                            "default 2048; larger keeps longer prompts in one step)")

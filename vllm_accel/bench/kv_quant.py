@@ -17,10 +17,12 @@ use the same memory for KV. ``ratios.kv_capacity_ratio`` = accelerated / baselin
 ``ratios.kv_bytes_per_token_*`` are the KV bytes per token (all layers, pool included) each
 side's cache costs; ``ratios.tail_pool_bytes`` the pool. Quality (``quality.ppl_bf16``,
 ``quality.ppl_quant``, needle/retrieval, top-1 agreement with the bf16 side) comes from the
-common tasks. ``quality.prefill_kv`` records the KIVI knob the side ran with (``bench kv-quant
---prefill-kv``): under ``exact`` (the CPU default) a prompt prefilled in one step attends to its
-own unquantized K/V, so prompt perplexity and agreement measure only what decode reads; run
-``--prefill-kv cache`` to score every prompt position as a decode step would read it.
+common tasks. ``quality.kv_quant`` records every KIVI knob the side ran with (``bench kv-quant
+--kv-quant KNOB=VALUE``, e.g. ``sink_tokens=4``), ``quality.prefill_kv`` the one that decides
+what prompt scores mean (``--prefill-kv``): under ``exact`` (the CPU default) a prompt prefilled
+in one step attends to its own unquantized K/V, so prompt perplexity and agreement measure only
+what decode reads; run ``--prefill-kv cache`` to score every prompt position as a decode step
+would read it.
 """
 
 from __future__ import annotations
@@ -36,18 +38,18 @@ MAX_NUM_SEQS = 16  # more than the benchmark ever runs at once; sizes the residu
 
 
 def engine_extra(kv_cache_dtype: str, model_dtype: str = MODEL_DTYPE,
-                 prefill_kv: str | None = None,
+                 knobs: dict[str, Any] | None = None,
                  max_num_batched_tokens: int | None = None) -> dict[str, Any]:
     """Engine settings of one side: the cache dtype, the model dtype, a fixed KV-cache size;
-    ``prefill_kv`` sets the KIVI knob ``kv_quant.prefill_kv`` (``bench kv-quant --prefill-kv``),
+    ``knobs`` the KIVI knobs ``kv_quant.*`` (``bench kv-quant --kv-quant``/``--prefill-kv``),
     ``max_num_batched_tokens`` vLLM's prefill step size (``--max-num-batched-tokens``)."""
     engine: dict[str, Any] = {"kv_cache_dtype": kv_cache_dtype, "dtype": model_dtype,
                               "kv_cache_memory_bytes": KV_CACHE_BYTES,
                               "max_num_seqs": MAX_NUM_SEQS}
     if max_num_batched_tokens:
         engine["max_num_batched_tokens"] = max_num_batched_tokens
-    if prefill_kv:
-        engine["additional_config"] = {"vllm_accel": {"kv_quant": {"prefill_kv": prefill_kv}}}
+    if knobs:
+        engine["additional_config"] = {"vllm_accel": {"kv_quant": dict(knobs)}}
     return engine
 
 
@@ -63,13 +65,14 @@ def residual_pool_bytes(engine: dict[str, Any]) -> int:
     from vllm_accel.kv_quant.tail_pool import entries_per_request, pool_bytes
 
     dtype = engine.get("kv_cache_dtype", "auto")
-    if dtype not in PRESETS or load_knobs(engine.get("additional_config")).residual != "tail":
+    knobs = load_knobs(engine.get("additional_config"))
+    if dtype not in PRESETS or knobs.residual != "tail":
         return 0
     cfg = json.loads((Path(engine["model"]) / "config.json").read_text())
     heads = cfg["num_attention_heads"]
     return pool_bytes(
         num_layers=cfg["num_hidden_layers"], num_kv_heads=cfg.get("num_key_value_heads", heads),
-        key_group=PRESETS[dtype]["key_group"],
+        key_group=knobs.key_group,
         head_size=cfg.get("head_dim") or cfg["hidden_size"] // heads,
         max_requests=engine["max_num_seqs"],
         entries_per_slot=entries_per_request(bool(engine.get("speculative_config"))),
@@ -102,10 +105,13 @@ def report(baseline: dict[str, Any], accelerated: dict[str, Any]
             (accelerated["engine"]["kv_cache_memory_bytes"] + pool) / quant_tokens,
         "tail_pool_bytes": pool,
     }
+    import dataclasses
+
     from vllm_accel.kv_quant.config import load_knobs
 
+    knobs = load_knobs(accelerated["engine"].get("additional_config"))
     quality = {"ppl_bf16": baseline.get("perplexity"), "ppl_quant": accelerated.get("perplexity"),
                # with ``exact``, a prompt prefilled in one step attends to its own unquantized
                # K/V: its perplexity is the bf16 cache's; ``cache`` reads as decode steps do
-               "prefill_kv": load_knobs(accelerated["engine"].get("additional_config")).prefill_kv}
+               "prefill_kv": knobs.prefill_kv, "kv_quant": dataclasses.asdict(knobs)}
     return ratios, quality

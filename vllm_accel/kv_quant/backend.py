@@ -57,7 +57,7 @@ from vllm_accel.attention import step_requests
 from vllm_accel.attention.registry import KV_CACHE_DTYPE_BACKENDS
 from vllm_accel.kernels.kivi_attention import kivi_paged_attention
 from vllm_accel.kernels.kivi_cache import quantize_on_write, resolve_backend
-from vllm_accel.kernels.kivi_format import ALLOWED_DTYPES, PRESETS, KiviLayout
+from vllm_accel.kernels.kivi_format import ALLOWED_DTYPES, KiviLayout
 from vllm_accel.kv_quant.config import KvQuantKnobs, load_knobs, resolve_prefill_kv
 from vllm_accel.kv_quant.tail_pool import TailPool, entries_per_request
 from vllm_accel.log import get_logger
@@ -70,30 +70,34 @@ SUPPORTED_MODEL_DTYPE_NAMES = ", ".join(str(d).replace("torch.", "") for d in AL
 DEFAULT_CPU_BLOCK_SIZE = 128  # vLLM's CPU default when --block-size is not given
 _LOGGED_LAYOUTS: set[KiviLayout] = set()
 _LOGGED_KERNELS: set[tuple[str, bool]] = set()
-# residual mode of the layers built in this process: vLLM asks customize_spec for the page bytes
-# in the worker outside any vLLM config context, after the model's layers were built
-_BUILT_RESIDUAL: dict[str, str] = {}
+# knobs of the layers built in this process: vLLM asks customize_spec for the page bytes in the
+# worker outside any vLLM config context, after the model's layers were built
+_BUILT_KNOBS: dict[str, KvQuantKnobs] = {}
 
 
-def residual_mode() -> str:
-    """The ``kv_quant.residual`` knob of the vLLM config being built or run."""
+def format_knobs() -> KvQuantKnobs:
+    """The ``kv_quant`` knobs of the vLLM config being built or run, else of the layers built in
+    this process, else of the environment (the page format follows ``residual``,
+    ``key_group``, ``value_group`` and ``sink_tokens``)."""
     from vllm.config import get_current_vllm_config_or_none
 
     config = get_current_vllm_config_or_none()
     if config is not None:
-        return load_knobs(config.additional_config).residual
-    return _BUILT_RESIDUAL.get("mode", KvQuantKnobs.residual)
-
-
-def key_group(kv_cache_dtype: str) -> int:
-    return PRESETS[kv_cache_dtype]["key_group"]
+        return load_knobs(config.additional_config)
+    built = _BUILT_KNOBS.get("knobs")
+    return built if built is not None else load_knobs(None)
 
 
 def page_layout(kv_cache_dtype: str, head_size: int, block_size: int,
-                dtype: torch.dtype = torch.bfloat16, residual: str = "tail") -> KiviLayout:
-    """The page format of ``--kv-cache-dtype kv_cache_dtype`` for one layer geometry."""
+                dtype: torch.dtype = torch.bfloat16,
+                knobs: KvQuantKnobs | None = None) -> KiviLayout:
+    """The page format of ``--kv-cache-dtype kv_cache_dtype`` for one layer geometry (``knobs``:
+    the format knobs; None = their defaults)."""
+    knobs = knobs if knobs is not None else KvQuantKnobs()
     return KiviLayout.preset(kv_cache_dtype, head_size=head_size, block_size=block_size,
-                             dtype=dtype, residual=residual)
+                             dtype=dtype, residual=knobs.residual, key_group=knobs.key_group,
+                             value_group=knobs.value_group or None,
+                             sink_tokens=knobs.sink_tokens)
 
 
 # --------------------------------------------------------------------------------------------
@@ -126,18 +130,25 @@ def startup_problems(kv_cache_dtype: str, selector_config: Any) -> list[str]:
             f"{flag} cannot store the residual keys of --dtype "
             f"{str(selector_config.dtype).replace('torch.', '')}; supported: "
             f"{SUPPORTED_MODEL_DTYPE_NAMES}")
-    group = key_group(kv_cache_dtype)
+    knobs = format_knobs()
+    group = knobs.key_group
     block = _current_block_size(selector_config.block_size)
     if block is not None and block % group != 0:
         problems.append(
             f"--block-size {block} is not supported with {flag}: the block must hold whole "
-            f"{group}-token key groups; supported: multiples of {group} (64, 128 (CPU default), "
-            f"256, ...)")
+            f"{group}-token key groups (vllm_accel.kv_quant.key_group={group}); supported: "
+            f"multiples of {group} ({', '.join(str(group * m) for m in (1, 2, 4))}, ...; the CPU "
+            f"default is 128)")
     head = selector_config.head_size
     if head < 16 or head % 8 != 0:
         problems.append(
             f"{flag} cannot store this model: head size {head} is not supported; supported: "
             f"multiples of 8 from 16")
+    elif knobs.value_group and head % knobs.value_group != 0:
+        fits = ", ".join(str(g) for g in range(8, head + 1, 8) if head % g == 0)
+        problems.append(
+            f"{flag} with vllm_accel.kv_quant.value_group={knobs.value_group}: the value group "
+            f"must divide this model's head size {head}; supported: 0 (the head size), {fits}")
     if selector_config.use_mla:
         problems.append(f"{flag} does not support MLA models")
     if selector_config.attn_type != AttentionType.DECODER:
@@ -201,7 +212,7 @@ class KiviBackend(AttentionBackend):
 
     @classmethod
     def get_supported_kernel_block_sizes(cls, kv_cache_spec=None) -> list[int | MultipleOf]:
-        return [MultipleOf(key_group(cls.KV_CACHE_DTYPE))]
+        return [MultipleOf(format_knobs().key_group)]
 
     @classmethod
     def supports_head_size(cls, head_size: int) -> bool:
@@ -218,11 +229,11 @@ class KiviBackend(AttentionBackend):
             raise ValueError(
                 f"--kv-cache-dtype {cls.KV_CACHE_DTYPE}: the KV cache spec's dtype is "
                 f"{spec.dtype}, expected torch.uint8 (is the kv_cache_torch_dtype patch active?)")
+        knobs = format_knobs()
         block = spec.block_size
-        if block % key_group(cls.KV_CACHE_DTYPE) != 0:
+        if block % knobs.key_group != 0:
             block = DEFAULT_CPU_BLOCK_SIZE
-        layout = page_layout(cls.KV_CACHE_DTYPE, spec.head_size, block,
-                             residual=residual_mode())
+        layout = page_layout(cls.KV_CACHE_DTYPE, spec.head_size, block, knobs=knobs)
         return replace(spec, state_content_bytes=layout.bytes_per_token_head)
 
     @staticmethod
@@ -275,7 +286,7 @@ _POOLS: dict[tuple[int, tuple[str, ...]], TailPool] = {}
 
 
 def tail_pool_for(kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: Any,
-                  device: torch.device, kv_cache_dtype: str) -> TailPool:
+                  device: torch.device) -> TailPool:
     """The residual pool of one KV-cache group of one engine (shared by its builders)."""
     key = (id(vllm_config), tuple(layer_names))
     pool = _POOLS.get(key)
@@ -284,7 +295,8 @@ def tail_pool_for(kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_con
             del _POOLS[stale]
         pool = TailPool(
             layer_names, num_kv_heads=kv_cache_spec.num_kv_heads,
-            key_group=key_group(kv_cache_dtype), head_size=kv_cache_spec.head_size,
+            key_group=load_knobs(vllm_config.additional_config).key_group,
+            head_size=kv_cache_spec.head_size,
             dtype=vllm_config.model_config.dtype, device=device,
             max_requests=vllm_config.scheduler_config.max_num_seqs,
             entries_per_slot=entries_per_request(vllm_config.speculative_config is not None))
@@ -307,8 +319,7 @@ class KiviMetadataBuilder(AttentionMetadataBuilder[KiviAttentionMetadata]):
             from vllm_accel._patches import attention_step_requests
 
             attention_step_requests.enable()
-            self.tail_pool = tail_pool_for(kv_cache_spec, layer_names, vllm_config, device,
-                                           vllm_config.cache_config.cache_dtype)
+            self.tail_pool = tail_pool_for(kv_cache_spec, layer_names, vllm_config, device)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> KiviAttentionMetadata:
@@ -381,8 +392,9 @@ class KiviAttentionImpl(AttentionImpl):
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.knobs: KvQuantKnobs = load_knobs(additional)
         device = torch.device(config.device_config.device if config is not None else "cpu")
-        _BUILT_RESIDUAL["mode"] = self.knobs.residual
-        probe = page_layout(kv_cache_dtype, head_size, 128, model_dtype, self.knobs.residual)
+        _BUILT_KNOBS["knobs"] = self.knobs
+        probe = page_layout(kv_cache_dtype, head_size, max(128, self.knobs.key_group),
+                            model_dtype, self.knobs)
         try:
             self.kernel = resolve_backend(self.knobs.kernel, device, probe)
         except RuntimeError as exc:
@@ -401,10 +413,15 @@ class KiviAttentionImpl(AttentionImpl):
         self.prefill_min_rows = 2 + (spec.num_speculative_tokens if spec is not None else 0)
         if (self.kernel, self.exact_prefill) not in _LOGGED_KERNELS:
             _LOGGED_KERNELS.add((self.kernel, self.exact_prefill))
+            why = ""
+            if self.knobs.kernel == "auto" and self.kernel == "torch" and device.type == "cpu":
+                from vllm_accel.kernels.kivi_cpu import native_problem
+
+                why = f"; not native: {native_problem(probe, device)}"
             logger.info("%s: cache write and attention kernel %s (knob "
-                        "vllm_accel.kv_quant.kernel=%s); prefill chunks attend to their own "
+                        "vllm_accel.kv_quant.kernel=%s%s); prefill chunks attend to their own "
                         "K/V %s (vllm_accel.kv_quant.prefill_kv=%s)", flag, self.kernel,
-                        self.knobs.kernel,
+                        self.knobs.kernel, why,
                         "unquantized" if self.exact_prefill else "from the quantized cache",
                         self.knobs.prefill_kv)
         self._layouts: dict[int, KiviLayout] = {}
@@ -415,7 +432,7 @@ class KiviAttentionImpl(AttentionImpl):
         layout = self._layouts.get(block)
         if layout is None:
             layout = page_layout(self.kv_cache_dtype, self.head_size, block, self.model_dtype,
-                                 self.knobs.residual)
+                                 self.knobs)
             if kv_cache.shape[3] != layout.bytes_per_token_head:
                 raise RuntimeError(
                     f"--kv-cache-dtype {self.kv_cache_dtype}: the KV cache has "

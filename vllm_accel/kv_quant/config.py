@@ -31,6 +31,19 @@ only say how it runs::
   the prompt.
 Decode rows, and draft-verification rows with ``--speculative-config``, read everything from
 the cache in both modes.
+
+Three knobs change the page format itself (the bytes per token vLLM budgets follow them; see
+:mod:`vllm_accel.kernels.kivi_format` for the layout):
+
+* ``key_group`` (64): tokens per key quantization group, one of 16, 32, 64, 128. Smaller groups
+  follow the keys more closely and cost ``4 * head_size / key_group`` bytes per token and head in
+  scales; the block size must be a multiple of it.
+* ``value_group`` (0 = the head size): channels per value quantization group (a multiple of 8
+  that divides the head size); 32 at head size 64 costs 4 more bytes per token and head.
+* ``sink_tokens`` (0): the first S token slots of every page keep a full-precision copy of their
+  K and V (the sequence's first tokens, its attention sinks, on its first page), ``0 <= S <
+  key_group`` and ``S <= 32``. The native CPU decode kernel does not read sinks: with ``kernel:
+  auto`` the torch kernels run instead (logged), ``kernel: native`` is a start-up error.
 """
 
 from __future__ import annotations
@@ -38,6 +51,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vllm_accel.config import register_section
+from vllm_accel.kernels.kivi_format import ALLOWED_KEY_GROUPS, MAX_SINK_TOKENS
 
 SECTION = "kv_quant"
 KERNELS = ("auto", "torch", "triton", "native")
@@ -57,11 +71,16 @@ class KvQuantKnobs:
     ``prefill_kv``: what a prefill chunk attends to for its own positions (``exact``: its
     unquantized K/V; ``cache``: the quantized cache; ``auto``: cache with the Triton kernel,
     exact otherwise;
-    see the module doc)."""
+    see the module doc).
+    ``key_group``, ``value_group`` (0: the head size), ``sink_tokens``: the page format's key
+    group (tokens), value group (channels) and full-precision sink slots per page."""
 
     kernel: str = "auto"
     residual: str = "tail"
     prefill_kv: str = "auto"
+    key_group: int = 64
+    value_group: int = 0
+    sink_tokens: int = 0
 
     def validate(self) -> dict[str, str]:
         problems: dict[str, str] = {}
@@ -71,6 +90,15 @@ class KvQuantKnobs:
             problems["residual"] = f"must be one of {', '.join(RESIDUALS)}"
         if self.prefill_kv not in PREFILL_KV:
             problems["prefill_kv"] = f"must be one of {', '.join(PREFILL_KV)}"
+        if self.key_group not in ALLOWED_KEY_GROUPS:
+            problems["key_group"] = f"must be one of {', '.join(map(str, ALLOWED_KEY_GROUPS))}"
+        if self.value_group < 0 or self.value_group % 8 != 0:
+            problems["value_group"] = ("must be 0 (the head size) or a positive multiple of 8 "
+                                       "that divides the head size")
+        if not 0 <= self.sink_tokens < min(self.key_group, MAX_SINK_TOKENS + 1):
+            problems["sink_tokens"] = (f"must be in [0, {min(self.key_group - 1, MAX_SINK_TOKENS)}]"
+                                       f" (below key_group={self.key_group}, at most "
+                                       f"{MAX_SINK_TOKENS})")
         return problems
 
 

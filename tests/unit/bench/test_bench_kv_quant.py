@@ -54,7 +54,27 @@ def test_report_counts_the_pool_in_the_bytes_per_token(tmp_path):
 @pytest.mark.parametrize("prefill_kv", [None, "cache"])
 def test_report_says_which_keys_prefill_attended_to(tmp_path, prefill_kv):
     """Under ``exact`` prompt perplexity reads unquantized K/V: the report must say which."""
-    engine = _engine(tmp_path, **kv_quant.engine_extra("kivi_4bit", prefill_kv=prefill_kv))
+    knobs = {"prefill_kv": prefill_kv} if prefill_kv else None
+    engine = _engine(tmp_path, **kv_quant.engine_extra("kivi_4bit", knobs=knobs))
     side = {"engine": engine, "num_kv_blocks": 1, "block_size": 128, "perplexity": 9.0}
     _, quality = kv_quant.report({**side, "engine": {"kv_cache_memory_bytes": 1}}, side)
-    assert quality["prefill_kv"] == (prefill_kv or "auto")
+    assert quality["prefill_kv"] == quality["kv_quant"]["prefill_kv"] == (prefill_kv or "auto")
+
+
+def test_format_knobs_reach_the_engine_the_pool_and_the_report(tmp_path):
+    from vllm_accel.cli import _kv_quant_knobs
+
+    knobs = _kv_quant_knobs(["key_group=32", "sink_tokens=4"], "cache")
+    assert knobs == {"key_group": 32, "sink_tokens": 4, "prefill_kv": "cache"}
+    engine = _engine(tmp_path, **kv_quant.engine_extra("kivi_4bit", knobs=knobs))
+    assert engine["additional_config"] == {"vllm_accel": {"kv_quant": knobs}}
+    # the pool holds one 32-token key group per request: half the default's
+    assert 2 * kv_quant.residual_pool_bytes(engine) == kv_quant.residual_pool_bytes(
+        _engine(tmp_path))
+    side = {"engine": engine, "num_kv_blocks": 1, "block_size": 128}
+    _, quality = kv_quant.report({**side, "engine": {"kv_cache_memory_bytes": 1}}, side)
+    assert (quality["kv_quant"]["key_group"], quality["kv_quant"]["sink_tokens"]) == (32, 4)
+    for bad, message in ((["sink_tokens"], "KNOB=VALUE"), (["sinks=4"], "unknown key"),
+                         (["key_group=48"], "key_group=48")):
+        with pytest.raises(ValueError, match=message):
+            _kv_quant_knobs(bad, None)

@@ -19,6 +19,7 @@ import vllm_accel.kernels.kivi_cache as kivi_cache  # noqa: E402
 from vllm_accel.attention import step_requests  # noqa: E402
 from vllm_accel.kernels.kivi_format import fake_quant_kv, reference_attention  # noqa: E402
 from vllm_accel.kv_quant import backend as kivi_backend  # noqa: E402
+from vllm_accel.kv_quant.config import KvQuantKnobs  # noqa: E402
 from vllm_accel.kv_quant.backend import (  # noqa: E402
     Kivi4BitBackend,
     page_layout,
@@ -116,7 +117,7 @@ def test_builder_and_impl_run_a_mixed_step_on_the_triton_kernels(monkeypatch, re
     impl = Kivi4BitBackend.get_impl_cls()(H_Q, D, D**-0.5, H_KV, None, None, "kivi_4bit")
     assert impl.kernel == "triton"
 
-    layout = page_layout("kivi_4bit", D, N, residual=residual)
+    layout = page_layout("kivi_4bit", D, N, knobs=KvQuantKnobs(residual=residual))
     cache = layout.allocate(num_blocks=4, num_kv_heads=H_KV)
     tables = {"a": [2, 0], "b": [3, 1]}
     seqs = {r: [torch.randn(100, h, D, dtype=torch.bfloat16) for h in (H_Q, H_KV, H_KV)]

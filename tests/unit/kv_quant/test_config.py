@@ -10,7 +10,8 @@ from vllm_accel.kv_quant.config import KvQuantKnobs, load_knobs, resolve_prefill
 
 def test_defaults():
     knobs = load_knobs(None)
-    assert knobs == KvQuantKnobs(kernel="auto", residual="tail", prefill_kv="auto")
+    assert knobs == KvQuantKnobs(kernel="auto", residual="tail", prefill_kv="auto", key_group=64,
+                                 value_group=0, sink_tokens=0)
 
 
 def test_json_and_env(monkeypatch):
@@ -43,3 +44,17 @@ def test_prefill_kv_modes():
     assert resolve_prefill_kv("auto", "torch") == "exact"
     assert resolve_prefill_kv("auto", "triton") == "cache"
     assert resolve_prefill_kv("cache", "native") == "cache"
+
+
+def test_format_knobs_are_validated_at_load():
+    knobs = load_knobs({"vllm_accel": {"kv_quant": {"key_group": 32, "value_group": 16,
+                                                    "sink_tokens": 4}}})
+    assert (knobs.key_group, knobs.value_group, knobs.sink_tokens) == (32, 16, 4)
+    for key, value, allowed in (("key_group", 48, r"16, 32, 64, 128"),
+                                ("value_group", 12, r"multiple of 8"),
+                                ("sink_tokens", 64, r"\[0, 32\]"),
+                                ("sink_tokens", -1, r"\[0, 32\]")):
+        with pytest.raises(AccelConfigError, match=rf"kv_quant\.{key}={value}.*{allowed}"):
+            load_knobs({"vllm_accel": {"kv_quant": {key: value}}})
+    with pytest.raises(AccelConfigError, match=r"sink_tokens=16.*\[0, 15\]"):
+        load_knobs({"vllm_accel": {"kv_quant": {"key_group": 16, "sink_tokens": 16}}})

@@ -100,3 +100,17 @@ def test_startup_problems_name_the_flag_and_supported_values():
     assert "head size 12" in head
     (window,) = startup_problems("kivi_4bit", _selector_config(has_sliding_window=True))
     assert "sliding-window" in window
+
+
+def test_startup_problems_check_the_format_knobs_against_the_model(monkeypatch):
+    from vllm_accel.kv_quant.backend import startup_problems
+
+    monkeypatch.setenv("VLLM_ACCEL_KV_QUANT_KEY_GROUP", "32")
+    assert startup_problems("kivi_4bit", _selector_config(block_size=32)) == []
+    monkeypatch.setenv("VLLM_ACCEL_KV_QUANT_KEY_GROUP", "128")
+    (block,) = startup_problems("kivi_4bit", _selector_config(block_size=64))
+    assert "key_group=128" in block and "multiples of 128" in block
+    monkeypatch.setenv("VLLM_ACCEL_KV_QUANT_VALUE_GROUP", "24")
+    (group,) = startup_problems("kivi_4bit", _selector_config())
+    assert "value_group=24" in group and "head size 64" in group and "8, 16, 32, 64" in group
+    assert startup_problems("kivi_4bit", _selector_config(head_size=96)) == []

@@ -32,15 +32,17 @@ def _metadata(q_lens, seq_lens, block_table, slot_mapping, pool=None, rows=None,
         tail_mapping=tail_mapping, tail_index=tail_index)
 
 
-def _impl(residual, prefill_kv="cache"):
+def _impl(residual, prefill_kv="cache", **format_knobs):
     impl = KiviAttentionImpl(H_Q, D, D**-0.5, H_KV, None, None, "kivi_4bit")
-    impl.knobs = KvQuantKnobs(residual=residual, prefill_kv=prefill_kv)
+    impl.knobs = KvQuantKnobs(residual=residual, prefill_kv=prefill_kv, **format_knobs)
     impl.exact_prefill = prefill_kv == "exact"
+    if impl.knobs.sink_tokens:
+        impl.kernel = "torch"  # what init resolves "auto" to with sinks (test below)
     return impl
 
 
-def _pool(max_requests=2):
-    return TailPool(["L0"], num_kv_heads=H_KV, key_group=64, head_size=D,
+def _pool(max_requests=2, key_group=64):
+    return TailPool(["L0"], num_kv_heads=H_KV, key_group=key_group, head_size=D,
                     dtype=torch.bfloat16, device="cpu", max_requests=max_requests,
                     entries_per_slot=1)
 
@@ -53,7 +55,7 @@ def _slots(block_table_row, positions):
 @pytest.mark.parametrize("residual", ["tail", "page"])
 def test_prefill_then_decode_matches_the_fake_quant_reference(residual, prefill_kv):
     torch.manual_seed(0)
-    layout = page_layout("kivi_4bit", D, N, residual=residual)
+    layout = page_layout("kivi_4bit", D, N, knobs=KvQuantKnobs(residual=residual))
     cache = layout.allocate(num_blocks=4, num_kv_heads=H_KV)
     impl = _impl(residual, prefill_kv)
     pool = _pool() if residual == "tail" else None
@@ -84,6 +86,56 @@ def test_prefill_then_decode_matches_the_fake_quant_reference(residual, prefill_
     want, other = (want_pre, exact_pre) if prefill_kv == "cache" else (exact_pre, want_pre)
     torch.testing.assert_close(out[:pre].float(), want, atol=2e-2, rtol=2e-2)
     assert (out[:pre].float() - other).abs().max() > 0.05
+
+
+@pytest.mark.parametrize("residual", ["tail", "page"])
+def test_format_knobs_change_the_page_and_attention_reads_it(residual):
+    """key_group 32, value_group 16 and 4 sink slots: the impl builds that layout for the cache
+    it is given, writes it and attends to it as the fake-quant reference of the same layout."""
+    torch.manual_seed(2)
+    fmt = dict(key_group=32, value_group=16, sink_tokens=4)
+    layout = page_layout("kivi_4bit", D, N, knobs=KvQuantKnobs(residual=residual, **fmt))
+    default = page_layout("kivi_4bit", D, N, knobs=KvQuantKnobs(residual=residual))
+    assert (layout.key_group, layout.value_group, layout.sink_tokens) == (32, 16, 4)
+    # smaller groups and sink copies cost bytes per token: key scales 4*64/32 instead of
+    # 4*64/64, value scales 4*64/16 instead of 4, and 4 bf16 sink rows of K and V per 128 tokens;
+    # an in-page residual area holds one 32-token key group instead of 64 (2*32*64/128 B less)
+    smaller_residual = 32 if residual == "page" else 0
+    assert (layout.bytes_per_token_head
+            == default.bytes_per_token_head + 4 + 12 + 8 - smaller_residual)
+    cache = layout.allocate(num_blocks=3, num_kv_heads=H_KV)
+    impl = _impl(residual, **fmt)
+    pool = _pool(key_group=32) if residual == "tail" else None
+    layer = types.SimpleNamespace(layer_name="L0")
+    length = 170
+    q = torch.randn(length, H_Q, D, dtype=torch.bfloat16)
+    k = torch.randn(length, H_KV, D, dtype=torch.bfloat16)
+    v = torch.randn(length, H_KV, D, dtype=torch.bfloat16)
+    k[:4] *= 20  # sink rows far outside the range of the rest: kept exactly, out of min/max
+    block_table = torch.tensor([[1, 2]], dtype=torch.int32)
+    slots = _slots(block_table[0], range(length))
+    out = torch.zeros(length, H_Q, D, dtype=torch.bfloat16)
+    for lo, hi in ((0, length - 1), (length - 1, length)):
+        md = _metadata([hi - lo], [hi], block_table, slots[lo:hi], pool, ["r"], {"r"})
+        impl.write(layer, k[lo:hi], v[lo:hi], cache, slots[lo:hi], md)
+        impl.forward(layer, q[lo:hi], k[lo:hi], v[lo:hi], cache, md, out[lo:hi])
+    assert impl.layout_for(cache) == layout
+    kq, vq = fake_quant_kv(k, v, layout)
+    torch.testing.assert_close(kq[:4], k[:4].float())
+    torch.testing.assert_close(out[-1:].float(), reference_attention(q[-1:], kq, vq),
+                               atol=2e-2, rtol=2e-2)
+    kq_default, vq_default = fake_quant_kv(k, v, default)
+    off = reference_attention(q[-1:], kq_default, vq_default)
+    assert (out[-1:].float() - off).abs().max() > 2e-2  # the knobs did change what is read
+
+
+def test_sink_tokens_run_the_torch_kernels_or_refuse_native(monkeypatch):
+    monkeypatch.setenv("VLLM_ACCEL_KV_QUANT_SINK_TOKENS", "4")
+    impl = KiviAttentionImpl(H_Q, D, D**-0.5, H_KV, None, None, "kivi_4bit")
+    assert (impl.knobs.sink_tokens, impl.kernel) == (4, "torch")
+    monkeypatch.setenv("VLLM_ACCEL_KV_QUANT_KERNEL", "native")
+    with pytest.raises(ValueError, match=r"kernel='native'.*sink tokens are not supported"):
+        KiviAttentionImpl(H_Q, D, D**-0.5, H_KV, None, None, "kivi_4bit")
 
 
 def test_tail_slots_follow_requests_across_row_moves_and_finishes():

@@ -8,6 +8,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from vllm_accel.kernels.kivi_format import KiviLayout
 from vllm_accel.kv_quant import backend as kivi_backend
+from vllm_accel.kv_quant.config import KvQuantKnobs
 from vllm_accel.kv_quant.backend import Kivi2BitBackend, Kivi4BitBackend, page_layout
 
 
@@ -18,7 +19,7 @@ def _spec(block_size=128, head_size=64, heads=2, dtype=torch.uint8):
 
 @pytest.fixture
 def page_residual(monkeypatch):
-    monkeypatch.setattr(kivi_backend, "residual_mode", lambda: "page")
+    monkeypatch.setattr(kivi_backend, "format_knobs", lambda: KvQuantKnobs(residual="page"))
 
 
 @pytest.mark.parametrize("backend, bytes_per_token_head", [
