@@ -40,6 +40,26 @@ def test_tiny_model_kivi_4bit_selects_backend_and_counts_page_bytes(generate, ti
     assert ratio == pytest.approx(TAIL_RESIDUAL_RATIO_4BIT, rel=0.01)
 
 
+def test_format_knobs_set_the_page_vllm_budgets(generate, tiny_llama):
+    """key_group 32 (with --block-size 32), value_group 16 and 4 sink slots per page: the page
+    the impl logs and the tokens vLLM admits follow the knobs' bytes; sinks run the torch
+    kernels (the native one does not read them) and the start-up log says why."""
+    from vllm_accel.kernels.kivi_format import KiviLayout
+
+    knobs = {"key_group": 32, "value_group": 16, "sink_tokens": 4}
+    head_size = 64  # tiny_llama
+    layout = KiviLayout.preset("kivi_4bit", head_size, 32, **knobs)
+    prompts = [[(5 * j) % 400 + 1 for j in range(70)]]
+    base, base_log = generate("bf16_b32", tiny_llama, prompts, 8, block_size=32)
+    out, log = generate("knobs", tiny_llama, prompts, 8, kv_cache_dtype="kivi_4bit",
+                        block_size=32, additional_config={"vllm_accel": {"kv_quant": knobs}})
+    assert f"{layout.bytes_per_token_head} B/token/head" in log
+    assert "kernel torch" in log and "not native: sink tokens" in log
+    assert len(out[0]["token_ids"]) == 8
+    ratio = kv_cache_tokens(log) / kv_cache_tokens(base_log)
+    assert ratio == pytest.approx(2 * head_size * 2 / layout.bytes_per_token_head, rel=0.01)
+
+
 def test_residual_pool_gives_the_tokens_of_in_page_residuals(generate, tiny_llama):
     """Six prompts of different lengths, batched, at most three running: the last three take
     the pool slots of the first three once those finish. The pool holds the same bf16 keys the

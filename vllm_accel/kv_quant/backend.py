@@ -70,22 +70,24 @@ SUPPORTED_MODEL_DTYPE_NAMES = ", ".join(str(d).replace("torch.", "") for d in AL
 DEFAULT_CPU_BLOCK_SIZE = 128  # vLLM's CPU default when --block-size is not given
 _LOGGED_LAYOUTS: set[KiviLayout] = set()
 _LOGGED_KERNELS: set[tuple[str, bool]] = set()
-# knobs of the layers built in this process: vLLM asks customize_spec for the page bytes in the
-# worker outside any vLLM config context, after the model's layers were built
-_BUILT_KNOBS: dict[str, KvQuantKnobs] = {}
+# knobs and model dtype of the layers built in this process: vLLM asks customize_spec for the
+# page bytes in the worker outside any vLLM config context, after the model's layers were built
+_BUILT_FORMAT: dict[str, tuple[KvQuantKnobs, torch.dtype]] = {}
 
 
-def format_knobs() -> KvQuantKnobs:
-    """The ``kv_quant`` knobs of the vLLM config being built or run, else of the layers built in
-    this process, else of the environment (the page format follows ``residual``,
-    ``key_group``, ``value_group`` and ``sink_tokens``)."""
+def page_format() -> tuple[KvQuantKnobs, torch.dtype]:
+    """The ``kv_quant`` knobs and model dtype of the vLLM config being built or run, else of the
+    layers built in this process, else of the environment and bf16. The page format follows the
+    knobs ``residual``, ``key_group``, ``value_group``, ``sink_tokens`` and, through the sink
+    rows, the model dtype."""
     from vllm.config import get_current_vllm_config_or_none
 
     config = get_current_vllm_config_or_none()
     if config is not None:
-        return load_knobs(config.additional_config)
-    built = _BUILT_KNOBS.get("knobs")
-    return built if built is not None else load_knobs(None)
+        model = getattr(config, "model_config", None)
+        return load_knobs(config.additional_config), getattr(model, "dtype", torch.bfloat16)
+    built = _BUILT_FORMAT.get("format")
+    return built if built is not None else (load_knobs(None), torch.bfloat16)
 
 
 def page_layout(kv_cache_dtype: str, head_size: int, block_size: int,
@@ -130,7 +132,7 @@ def startup_problems(kv_cache_dtype: str, selector_config: Any) -> list[str]:
             f"{flag} cannot store the residual keys of --dtype "
             f"{str(selector_config.dtype).replace('torch.', '')}; supported: "
             f"{SUPPORTED_MODEL_DTYPE_NAMES}")
-    knobs = format_knobs()
+    knobs, _ = page_format()
     group = knobs.key_group
     block = _current_block_size(selector_config.block_size)
     if block is not None and block % group != 0:
@@ -212,7 +214,7 @@ class KiviBackend(AttentionBackend):
 
     @classmethod
     def get_supported_kernel_block_sizes(cls, kv_cache_spec=None) -> list[int | MultipleOf]:
-        return [MultipleOf(format_knobs().key_group)]
+        return [MultipleOf(page_format()[0].key_group)]
 
     @classmethod
     def supports_head_size(cls, head_size: int) -> bool:
@@ -229,11 +231,11 @@ class KiviBackend(AttentionBackend):
             raise ValueError(
                 f"--kv-cache-dtype {cls.KV_CACHE_DTYPE}: the KV cache spec's dtype is "
                 f"{spec.dtype}, expected torch.uint8 (is the kv_cache_torch_dtype patch active?)")
-        knobs = format_knobs()
+        knobs, model_dtype = page_format()
         block = spec.block_size
         if block % knobs.key_group != 0:
             block = DEFAULT_CPU_BLOCK_SIZE
-        layout = page_layout(cls.KV_CACHE_DTYPE, spec.head_size, block, knobs=knobs)
+        layout = page_layout(cls.KV_CACHE_DTYPE, spec.head_size, block, model_dtype, knobs)
         return replace(spec, state_content_bytes=layout.bytes_per_token_head)
 
     @staticmethod
@@ -392,7 +394,7 @@ class KiviAttentionImpl(AttentionImpl):
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.knobs: KvQuantKnobs = load_knobs(additional)
         device = torch.device(config.device_config.device if config is not None else "cpu")
-        _BUILT_KNOBS["knobs"] = self.knobs
+        _BUILT_FORMAT["format"] = (self.knobs, model_dtype)
         probe = page_layout(kv_cache_dtype, head_size, max(128, self.knobs.key_group),
                             model_dtype, self.knobs)
         try:

@@ -10,4 +10,4 @@ import pytest
 def _no_built_knobs(monkeypatch):
     from vllm_accel.kv_quant import backend
 
-    monkeypatch.setattr(backend, "_BUILT_KNOBS", {})
+    monkeypatch.setattr(backend, "_BUILT_FORMAT", {})

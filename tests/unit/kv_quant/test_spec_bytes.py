@@ -19,7 +19,8 @@ def _spec(block_size=128, head_size=64, heads=2, dtype=torch.uint8):
 
 @pytest.fixture
 def page_residual(monkeypatch):
-    monkeypatch.setattr(kivi_backend, "format_knobs", lambda: KvQuantKnobs(residual="page"))
+    monkeypatch.setattr(kivi_backend, "page_format",
+                        lambda: (KvQuantKnobs(residual="page"), torch.bfloat16))
 
 
 @pytest.mark.parametrize("backend, bytes_per_token_head", [
@@ -71,3 +72,16 @@ def test_kernel_block_sizes_are_whole_key_groups():
     assert size.base == 64
     assert Kivi4BitBackend.supports_block_size(128)
     assert not Kivi4BitBackend.supports_block_size(32)
+
+
+@pytest.mark.parametrize("knobs", [KvQuantKnobs(sink_tokens=8), KvQuantKnobs(residual="page")])
+def test_page_bytes_follow_the_model_dtype_of_full_precision_rows(monkeypatch, knobs):
+    """Sink rows and the in-page residual are stored in the model dtype: a float32 model's
+    page is larger than a bf16 one's, and the spec must say so (the worker checks the cache it
+    is given against its own layout)."""
+    sizes = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        monkeypatch.setattr(kivi_backend, "page_format", lambda dtype=dtype: (knobs, dtype))
+        sizes[dtype] = Kivi4BitBackend.customize_spec(_spec()).state_content_bytes
+        assert sizes[dtype] == page_layout("kivi_4bit", 64, 128, dtype, knobs).bytes_per_token_head
+    assert sizes[torch.float32] > sizes[torch.bfloat16]
