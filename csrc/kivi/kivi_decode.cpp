@@ -14,9 +14,10 @@
 // Codes are unpacked once per group or block and used by every query head of the KV head
 // (GQA).
 //
-// Supported: bits 2/4/8 for K and V, any value group dividing D, no sink tokens, residual
-// keys of the unfinished group passed as fp32 rows (gathered by the caller from either the
-// tail pool or the page's residual area).
+// Supported: bits 2/4/8 for K and V, any value group dividing D, sink tokens (the first S
+// rows of every page read from their full-precision copies), residual keys of the unfinished
+// group passed as fp32 rows (gathered by the caller from either the tail pool or the page's
+// residual area).
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
@@ -229,8 +230,20 @@ struct Geometry {
   int64_t page_bytes, num_kv_heads, num_q_heads, head_size, block_size, key_group;
   int64_t bits_k, bits_v, value_group;
   int64_t off_kc, off_vc, off_ks, off_kz, off_vs, off_vz;
+  // sink rows: the first sink_tokens slots of every page, copies of K and V in the model dtype
+  // (sink_elem_bytes per element; 16-bit: bf16 when sink_bf16, else fp16)
+  int64_t sink_tokens = 0, off_sk = 0, off_sv = 0, sink_elem_bytes = 2;
+  bool sink_bf16 = true;
   float scale;
 };
+
+// Row r of a page's sink K or V copy (at `region`) as D floats.
+inline void load_sink_row(const Geometry& g, const uint8_t* page, int64_t region, int64_t r,
+                          float* out) {
+  const int64_t E = g.sink_elem_bytes, D = g.head_size;
+  const uint8_t* row = page + region + r * D * E;
+  for (int64_t d = 0; d < D; ++d) out[d] = load_elem(row + d * E, E, g.sink_bf16);
+}
 
 // Scratch buffers of one worker thread.
 struct Scratch {
@@ -240,6 +253,7 @@ struct Scratch {
   std::vector<float> vtile;   // [kValueBlock, D] dequantized values of a block of tokens
   std::vector<float> folded;  // [hq, D + 1] query * key scale, and the q . zero bias
   std::vector<float> kscale;  // [2, D] the key group's scales and zero points as float
+  std::vector<float> sink;    // [D] one sink row as float
   std::vector<float> denom;
 };
 
@@ -267,6 +281,7 @@ ALWAYS_INLINE void attend_one(const Geometry& g, const uint8_t* cache, const int
   w.codes.resize(static_cast<size_t>(16 * D));
   w.folded.resize(static_cast<size_t>(hq * (D + 1)));
   w.kscale.resize(static_cast<size_t>(2 * D));
+  w.sink.resize(static_cast<size_t>(D));
   w.denom.assign(static_cast<size_t>(hq), 0.f);
   float* scores = w.scores.data();
   float* tile = w.tile.data();
@@ -317,6 +332,14 @@ ALWAYS_INLINE void attend_one(const Geometry& g, const uint8_t* cache, const int
           const float f = fi[d];
           const float* row = tile + d * G;
           for (int64_t t = 0; t < G; ++t) si[t] += f * row[t];
+        }
+      }
+    }
+    if (first == 0) {  // the page's sink rows: scores from their full-precision keys
+      for (int64_t r = 0; r < g.sink_tokens; ++r) {
+        load_sink_row(g, page, g.off_sk, r, w.sink.data());
+        for (int64_t i = 0; i < hq; ++i) {
+          scores[i * seq_len + t0 + r] = dot_lanes(q + i * D, w.sink.data(), D) * g.scale;
         }
       }
     }
@@ -371,6 +394,10 @@ ALWAYS_INLINE void attend_one(const Geometry& g, const uint8_t* cache, const int
       const int64_t t = b0 + r;
       const uint8_t* page = cache + block_row[t / N] * block_stride;
       const int64_t o = t % N;
+      if (o < g.sink_tokens) {  // a sink row: its full-precision value
+        load_sink_row(g, page, g.off_sv, o, vtile + r * D);
+        continue;
+      }
       const uint8_t* codes_row = page + g.off_vc + o * v_row;
       for (int64_t vg = 0; vg < vgroups; ++vg) {
         float vs, vz;
@@ -509,13 +536,17 @@ void decode(uintptr_t cache_ptr, uintptr_t block_table_ptr, int64_t bt_stride,
 // ---------------------------------------------------------------------------------------------
 
 // Asymmetric quantization of n values x[i * stride]; returns the fp16-rounded scale and zero.
+// The first `skip` values (sink rows) are left out of min/max but still get clamped codes.
 inline void quantize_run(const float* x, int64_t n, int64_t stride, int bits, uint8_t* codes,
-                         float* scale_out, float* zero_out) {
+                         float* scale_out, float* zero_out, int64_t skip = 0) {
   const float qmax = static_cast<float>((1 << bits) - 1);
-  float lo = x[0], hi = x[0];
-  for (int64_t i = 1; i < n; ++i) {
-    lo = std::min(lo, x[i * stride]);
-    hi = std::max(hi, x[i * stride]);
+  float lo = 0.f, hi = 0.f;
+  if (skip < n) {
+    lo = hi = x[skip * stride];
+    for (int64_t i = skip + 1; i < n; ++i) {
+      lo = std::min(lo, x[i * stride]);
+      hi = std::max(hi, x[i * stride]);
+    }
   }
   const float scale = half_to_float(float_to_half(std::min((hi - lo) / qmax, 65504.f)));
   const float zero = half_to_float(float_to_half(std::min(std::max(lo, -65504.f), 65504.f)));
@@ -584,7 +615,8 @@ void write_tokens(const WriteArgs& a, const Geometry& g, int64_t num_threads) {
         const int64_t grp = off / G;
         for (int64_t d = 0; d < D; ++d) {  // per channel over the group's G rows
           float sc, ze;
-          quantize_run(x.data() + d, G, D, static_cast<int>(g.bits_k), col.data(), &sc, &ze);
+          quantize_run(x.data() + d, G, D, static_cast<int>(g.bits_k), col.data(), &sc, &ze,
+                       grp == 0 ? g.sink_tokens : 0);
           for (int64_t r = 0; r < G; ++r) codes[r * D + d] = col[r];
           store_half(page + g.off_ks + (grp * D + d) * 2, sc);
           store_half(page + g.off_kz + (grp * D + d) * 2, ze);
@@ -596,6 +628,11 @@ void write_tokens(const WriteArgs& a, const Geometry& g, int64_t num_threads) {
         }
       }
       const uint8_t* vrow = value + t * tok_bytes + h * row_bytes;
+      if (off < g.sink_tokens) {  // sink rows: full-precision copies of K and V
+        std::memcpy(page + g.off_sk + off * row_bytes, key + t * tok_bytes + h * row_bytes,
+                    static_cast<size_t>(row_bytes));
+        std::memcpy(page + g.off_sv + off * row_bytes, vrow, static_cast<size_t>(row_bytes));
+      }
       for (int64_t d = 0; d < D; ++d) x[d] = load_elem(vrow + E * d, E, a.bf16);
       for (int64_t vg = 0; vg < vgroups; ++vg) {
         float sc, ze;
@@ -641,6 +678,11 @@ PYBIND11_MODULE(_C_kivi, m) {
       .def_readwrite("off_kz", &Geometry::off_kz)
       .def_readwrite("off_vs", &Geometry::off_vs)
       .def_readwrite("off_vz", &Geometry::off_vz)
+      .def_readwrite("sink_tokens", &Geometry::sink_tokens)
+      .def_readwrite("off_sk", &Geometry::off_sk)
+      .def_readwrite("off_sv", &Geometry::off_sv)
+      .def_readwrite("sink_elem_bytes", &Geometry::sink_elem_bytes)
+      .def_readwrite("sink_bf16", &Geometry::sink_bf16)
       .def_readwrite("scale", &Geometry::scale);
   m.def(
       "decode",

@@ -55,8 +55,6 @@ def native_problem(layout: KiviLayout, device: torch.device) -> str | None:
         return "the native extension vllm_accel._C_kivi is not built"
     if device.type != "cpu":
         return f"the native kernel runs on CPU tensors, not {device.type}"
-    if layout.sink_tokens:
-        return "sink tokens are not supported by the native kernel"
     return None
 
 
@@ -121,6 +119,11 @@ def _geometry(layout: KiviLayout, pages: torch.Tensor, num_q_heads: int, scale: 
     geo.off_kc, geo.off_vc = regions["k_codes"].offset, regions["v_codes"].offset
     geo.off_ks, geo.off_kz = regions["k_scale"].offset, regions["k_zero"].offset
     geo.off_vs, geo.off_vz = regions["v_scale"].offset, regions["v_zero"].offset
+    if layout.sink_tokens:
+        geo.sink_tokens = layout.sink_tokens
+        geo.off_sk, geo.off_sv = regions["sink_k"].offset, regions["sink_v"].offset
+        geo.sink_elem_bytes = layout.dtype.itemsize
+        geo.sink_bf16 = layout.dtype == torch.bfloat16
     geo.scale = float(scale)
     return geo
 

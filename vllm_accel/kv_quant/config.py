@@ -42,8 +42,7 @@ Three knobs change the page format itself (the bytes per token vLLM budgets foll
   that divides the head size); 32 at head size 64 costs 4 more bytes per token and head.
 * ``sink_tokens`` (0): the first S token slots of every page keep a full-precision copy of their
   K and V (the sequence's first tokens, its attention sinks, on its first page), ``0 <= S <
-  key_group`` and ``S <= 32``. The native CPU decode kernel does not read sinks: with ``kernel:
-  auto`` the torch kernels run instead (logged), ``kernel: native`` is a start-up error.
+  key_group`` and ``S <= 32``.
 """
 
 from __future__ import annotations

@@ -15,15 +15,16 @@ from .conftest import filled_kivi_cache
 pytestmark = pytest.mark.skipif(not HAS_NATIVE, reason="vllm_accel._C_kivi is not built")
 
 
-@pytest.mark.parametrize("bits_k, bits_v, value_group, residual", [
-    (4, 4, None, "tail"), (2, 2, None, "tail"), (4, 2, 32, "tail"), (8, 4, None, "page"),
-    (4, 4, 16, "page"),
+@pytest.mark.parametrize("bits_k, bits_v, value_group, residual, sinks", [
+    (4, 4, None, "tail", 0), (2, 2, None, "tail", 0), (4, 2, 32, "tail", 0),
+    (8, 4, None, "page", 0), (4, 4, 16, "page", 0), (4, 4, None, "tail", 8),
+    (2, 2, 32, "page", 4),
 ])
 @pytest.mark.parametrize("hq, hkv", [(2, 2), (14, 2)])
-def test_decode_matches_the_torch_path(bits_k, bits_v, value_group, residual, hq, hkv):
+def test_decode_matches_the_torch_path(bits_k, bits_v, value_group, residual, sinks, hq, hkv):
     layout = KiviLayout(bits_k, bits_v, head_size=64, block_size=128, key_group=64,
-                        value_group=value_group, residual=residual)
-    seq_lens = [1, 63, 64, 65, 128, 300, 257]
+                        value_group=value_group, residual=residual, sink_tokens=sinks)
+    seq_lens = [1, 5, 63, 64, 65, 128, 300, 257]
     cache, tail, table, tail_index = filled_kivi_cache(layout, seq_lens, hkv)
     q = torch.randn(len(seq_lens), hq, 64, dtype=torch.bfloat16)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
@@ -67,12 +68,26 @@ def test_threads_do_not_change_the_result():
     assert torch.equal(one, many)
 
 
-def test_sink_tokens_are_refused_by_name():
-    layout = KiviLayout(4, 4, head_size=64, block_size=128, key_group=64, sink_tokens=4)
-    assert "sink tokens" in native_problem(layout, torch.device("cpu"))
-    with pytest.raises(RuntimeError, match="sink tokens"):
-        decode_attention(torch.zeros(1, 2, 64), layout.allocate(1, 2), torch.zeros(1, 1),
-                         torch.ones(1), 1.0, layout)
+def test_sink_rows_are_read_from_their_full_precision_copies():
+    """Sink keys far outside the other keys' range (an attention sink): kept out of min/max and
+    read exactly, so the native output matches attention over the unquantized sinks."""
+    layout = KiviLayout(4, 4, head_size=64, block_size=128, key_group=64, sink_tokens=4,
+                        dtype=torch.float32)
+    assert native_problem(layout, torch.device("cpu")) is None
+    cache, tail = layout.allocate(2, 1), layout.allocate_tail(1, 1)
+    k, v = torch.randn(200, 1, 64), torch.randn(200, 1, 64)
+    k[:4] *= 50
+    v[:4] *= 50
+    quantize_on_write(k, v, cache, torch.arange(200), layout, k_tail=tail,
+                      tail_mapping=torch.zeros(200, dtype=torch.long), backend="native")
+    q = k[:1].reshape(1, 1, 64) * 0.02  # reads the first sink most
+    got = decode_attention(q, cache, torch.tensor([[0, 1]]), torch.tensor([200]), 0.125,
+                           layout, k_tail=tail, tail_index=torch.tensor([0]))
+    from vllm_accel.kernels.kivi_format import fake_quant_kv, reference_attention
+
+    kq, vq = fake_quant_kv(k, v, layout)
+    assert torch.equal(kq[:4], k[:4]) and torch.equal(vq[:4], v[:4])
+    torch.testing.assert_close(got, reference_attention(q, kq, vq), atol=1e-4, rtol=1e-4)
 
 
 def test_mixed_batch_sends_only_decode_rows_to_the_native_kernel():
@@ -90,16 +105,19 @@ def test_mixed_batch_sends_only_decode_rows_to_the_native_kernel():
     assert resolve_backend("auto", torch.device("cpu"), layout) == "native"
 
 
-@pytest.mark.parametrize("bits_k, bits_v, value_group, residual", [
-    (4, 4, None, "tail"), (2, 2, None, "tail"), (4, 2, 16, "page"), (8, 8, None, "tail"),
+@pytest.mark.parametrize("bits_k, bits_v, value_group, residual, sinks", [
+    (4, 4, None, "tail", 0), (2, 2, None, "tail", 0), (4, 2, 16, "page", 0),
+    (8, 8, None, "tail", 0), (4, 4, None, "tail", 8), (2, 4, 32, "page", 3),
 ])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_native_write_writes_the_bytes_of_the_torch_write(bits_k, bits_v, value_group,
-                                                          residual, dtype):
+                                                          residual, sinks, dtype):
     """Prefill chunks that complete groups from this call's tokens and from the tail, decode
-    steps, padding and two sequences sharing a call: cache and tail bytes identical."""
+    steps, padding and two sequences sharing a call: cache and tail bytes identical (sink
+    copies and sink-free min/max included)."""
     layout = KiviLayout(bits_k, bits_v, head_size=64, block_size=128, key_group=32,
-                        value_group=value_group, dtype=dtype, residual=residual)
+                        value_group=value_group, dtype=dtype, residual=residual,
+                        sink_tokens=sinks)
     gen = torch.Generator().manual_seed(7)
     lengths = {0: 300, 1: 150}
     tables = {0: [3, 1, 6], 1: [2, 5]}

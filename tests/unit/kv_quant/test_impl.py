@@ -36,8 +36,6 @@ def _impl(residual, prefill_kv="cache", **format_knobs):
     impl = KiviAttentionImpl(H_Q, D, D**-0.5, H_KV, None, None, "kivi_4bit")
     impl.knobs = KvQuantKnobs(residual=residual, prefill_kv=prefill_kv, **format_knobs)
     impl.exact_prefill = prefill_kv == "exact"
-    if impl.knobs.sink_tokens:
-        impl.kernel = "torch"  # what init resolves "auto" to with sinks (test below)
     return impl
 
 
@@ -127,15 +125,6 @@ def test_format_knobs_change_the_page_and_attention_reads_it(residual):
     kq_default, vq_default = fake_quant_kv(k, v, default)
     off = reference_attention(q[-1:], kq_default, vq_default)
     assert (out[-1:].float() - off).abs().max() > 2e-2  # the knobs did change what is read
-
-
-def test_sink_tokens_run_the_torch_kernels_or_refuse_native(monkeypatch):
-    monkeypatch.setenv("VLLM_ACCEL_KV_QUANT_SINK_TOKENS", "4")
-    impl = KiviAttentionImpl(H_Q, D, D**-0.5, H_KV, None, None, "kivi_4bit")
-    assert (impl.knobs.sink_tokens, impl.kernel) == (4, "torch")
-    monkeypatch.setenv("VLLM_ACCEL_KV_QUANT_KERNEL", "native")
-    with pytest.raises(ValueError, match=r"kernel='native'.*sink tokens are not supported"):
-        KiviAttentionImpl(H_Q, D, D**-0.5, H_KV, None, None, "kivi_4bit")
 
 
 def test_tail_slots_follow_requests_across_row_moves_and_finishes():
