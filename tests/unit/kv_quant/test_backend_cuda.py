@@ -19,13 +19,13 @@ import vllm_accel.kernels.kivi_cache as kivi_cache  # noqa: E402
 from vllm_accel.attention import step_requests  # noqa: E402
 from vllm_accel.kernels.kivi_format import fake_quant_kv, reference_attention  # noqa: E402
 from vllm_accel.kv_quant import backend as kivi_backend  # noqa: E402
-from vllm_accel.kv_quant.config import KvQuantKnobs  # noqa: E402
 from vllm_accel.kv_quant.backend import (  # noqa: E402
     Kivi4BitBackend,
     page_layout,
     platform_problems,
     startup_problems,
 )
+from vllm_accel.kv_quant.config import KvQuantKnobs  # noqa: E402
 
 from ..kernels.conftest import requires_triton_interpreter  # noqa: E402
 from .test_dtype_registration import _selector_config  # noqa: E402

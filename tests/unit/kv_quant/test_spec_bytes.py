@@ -8,8 +8,8 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from vllm_accel.kernels.kivi_format import KiviLayout
 from vllm_accel.kv_quant import backend as kivi_backend
-from vllm_accel.kv_quant.config import KvQuantKnobs
 from vllm_accel.kv_quant.backend import Kivi2BitBackend, Kivi4BitBackend, page_layout
+from vllm_accel.kv_quant.config import KvQuantKnobs
 
 
 def _spec(block_size=128, head_size=64, heads=2, dtype=torch.uint8):
