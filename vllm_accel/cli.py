@@ -118,8 +118,6 @@ def _bench(args: argparse.Namespace) -> int:
 def _kv_quant_knobs(pairs: list[str], prefill_kv: str | None) -> dict[str, Any]:
     """``--kv-quant KNOB=VALUE`` (and ``--prefill-kv``) as the ``kv_quant`` section of the KIVI
     side, validated here so a typo fails before any engine starts."""
-    import json
-
     from vllm_accel.kv_quant.config import load_knobs
 
     knobs: dict[str, Any] = {}

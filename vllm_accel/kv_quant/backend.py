@@ -288,7 +288,7 @@ _POOLS: dict[tuple[int, tuple[str, ...]], TailPool] = {}
 
 
 def tail_pool_for(kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: Any,
-                  device: torch.device) -> TailPool:
+                  device: torch.device, key_group: int) -> TailPool:
     """The residual pool of one KV-cache group of one engine (shared by its builders)."""
     key = (id(vllm_config), tuple(layer_names))
     pool = _POOLS.get(key)
@@ -297,8 +297,7 @@ def tail_pool_for(kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_con
             del _POOLS[stale]
         pool = TailPool(
             layer_names, num_kv_heads=kv_cache_spec.num_kv_heads,
-            key_group=load_knobs(vllm_config.additional_config).key_group,
-            head_size=kv_cache_spec.head_size,
+            key_group=key_group, head_size=kv_cache_spec.head_size,
             dtype=vllm_config.model_config.dtype, device=device,
             max_requests=vllm_config.scheduler_config.max_num_seqs,
             entries_per_slot=entries_per_request(vllm_config.speculative_config is not None))
@@ -321,7 +320,8 @@ class KiviMetadataBuilder(AttentionMetadataBuilder[KiviAttentionMetadata]):
             from vllm_accel._patches import attention_step_requests
 
             attention_step_requests.enable()
-            self.tail_pool = tail_pool_for(kv_cache_spec, layer_names, vllm_config, device)
+            self.tail_pool = tail_pool_for(kv_cache_spec, layer_names, vllm_config, device,
+                                           knobs.key_group)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> KiviAttentionMetadata:
