@@ -69,7 +69,23 @@ def test_kv_quant_report_capacity_from_blocks():
     assert ratios["kv_capacity_ratio"] == pytest.approx(3.5)
     assert ratios["kv_bytes_per_token_baseline"] == pytest.approx((1 << 20) / 512)
     assert ratios["kv_tokens_quant"] == 14 * 128
-    assert quality == {"ppl_bf16": 10.0, "ppl_quant": 10.2, "prefill_kv": "auto"}
+    assert quality["ppl_bf16"] == 10.0 and quality["ppl_quant"] == 10.2
+    assert quality["prefill_kv"] == "auto"
+    # every format knob is recorded, so a report says which page format it measured
+    assert quality["kv_quant"] == {"kernel": "auto", "residual": "tail", "prefill_kv": "auto",
+                                   "key_group": 64, "value_group": 0, "sink_tokens": 0}
+
+
+def test_kv_quant_report_records_the_knobs_the_engine_ran():
+    from vllm_accel.bench import kv_quant
+
+    engine = {"kv_cache_memory_bytes": 1 << 20,
+              "additional_config": {"vllm_accel": {"kv_quant": {"key_group": 32,
+                                                                "sink_tokens": 2}}}}
+    side = {"num_kv_blocks": 4, "block_size": 128, "engine": engine, "perplexity": 10.0}
+    _, quality = kv_quant.report(side, dict(side))
+    assert quality["kv_quant"]["key_group"] == 32
+    assert quality["kv_quant"]["sink_tokens"] == 2
 
 
 def test_doctor_lists_backends_and_patches(capsys):
