@@ -8,6 +8,7 @@ per *selection mode*, a mode being the set of reused tokens recomputed in every 
 * ``none`` — nothing (naive reuse);
 * ``query`` / ``query@R`` / ``query@R/wW`` — the connector's ``recompute=query`` choice at
   ``recompute_ratio`` R (default 0.15) and ``query_window`` W (default 4);
+* ``query@R/wB:F`` — the same with ``B`` neighbours before each ranked token and ``F`` after;
 * ``query2`` / ``query2@R`` — two rounds: half the budget chosen by the probe and recomputed,
   then a second probe over the refreshed pages chooses the other half;
 * ``facts`` — oracle: the inserted fact sentence of every document (4 tokens before it, 16 from
@@ -47,7 +48,11 @@ def _choice(self, model, layers, block_table, req, forced, loaded):
         name, _, setting = mode.partition("@")
         ratio_text, _, window = setting.partition("/w")
         ratio = float(ratio_text or self.config.recompute_ratio)
+        window, _, after = window.partition(":")
         window = int(window) if window else self.config.query_window
+        if after:  # asymmetric window: the planner's ``after`` neighbours
+            return _after_windows(self, model, layers, block_table, req, forced, loaded,
+                                  ratio, window, int(after))
         if name == "query2":
             return _two_rounds(self, model, layers, block_table, req, forced, loaded, ratio,
                                window)
@@ -79,6 +84,23 @@ def _query_with(self, model, layers, block_table, req, forced, loaded, ratio, wi
         return _query_choice(self, model, layers, block_table, req, forced, loaded)
     finally:
         self.config = saved
+
+
+def _after_windows(self, model, layers, block_table, req, forced, loaded, ratio, before,
+                   after):
+    """``query@R/wB:F``: the ``query`` choice with ``B`` neighbours before each ranked token
+    and ``F`` after it."""
+    from vllm_accel.kv_connector import planner
+
+    symmetric = connector_mod.windows_by_rank
+    connector_mod.windows_by_rank = (
+        lambda ranked, allowed, budget, window: planner.windows_by_rank(
+            ranked, allowed, budget, before, after))
+    try:
+        return _query_with(self, model, layers, block_table, req, forced, loaded, ratio,
+                           before)
+    finally:
+        connector_mod.windows_by_rank = symmetric
 
 
 def _two_rounds(self, model, layers, block_table, req, forced, loaded, ratio, window):

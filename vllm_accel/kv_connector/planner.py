@@ -104,19 +104,21 @@ def chunks_to_save(chunks: list[PlannedChunk], saved: set[str],
             if not c.stored and c.key not in saved and c.span.end <= computed_after_step]
 
 
-def windows_by_rank(ranked: list[int], allowed: set[int], budget: int,
-                    window: int) -> list[int]:
+def windows_by_rank(ranked: list[int], allowed: set[int], budget: int, window: int,
+                    after: int | None = None) -> list[int]:
     """``recompute=query``'s choice: walk ``ranked`` (positions, best first) and take each with
-    its ``window`` neighbours on either side, keeping only ``allowed`` positions, until
-    ``budget`` positions are taken (the last window may be cut). A token's neighbours carry
-    the phrase it belongs to, so a sharply read token is recomputed with its context."""
+    its ``window`` neighbours before it and ``after`` (default ``window``) after it, keeping
+    only ``allowed`` positions, until ``budget`` positions are taken (the last window may be
+    cut, nearest neighbours first). A token's neighbours carry the phrase it belongs to, so a
+    sharply read token is recomputed with its context."""
+    after = window if after is None else after
     chosen: set[int] = set()
     for seed in ranked:
         if len(chosen) >= budget:
             break
         if seed in chosen:
             continue
-        for p in sorted(range(seed - window, seed + window + 1), key=lambda p: abs(p - seed)):
+        for p in sorted(range(seed - window, seed + after + 1), key=lambda p: abs(p - seed)):
             if p in allowed and p not in chosen and len(chosen) < budget:
                 chosen.add(p)
     return sorted(chosen)

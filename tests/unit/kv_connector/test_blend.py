@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from vllm_accel.kernels.rope_rerotate import apply_rope, rope_cos_sin_cache
+from vllm_accel.kv_connector import blend
 from vllm_accel.kv_connector.blend import question_attention_peaks, recompute_tokens
 from vllm_accel.kv_connector.paged_kv import PagedLayerKV
 
@@ -155,6 +156,20 @@ def test_recomputing_a_missing_range_between_exact_kv(setup):
     exact = torch.cat([torch.arange(0, 20), torch.arange(45, 70)])
     _fill(layers_kv, block_table, reference, exact)
     recompute_tokens(model, layers_kv, block_table, tokens[missing], missing)
+    _assert_pages_match(layers_kv, block_table, reference, torch.arange(70))
+
+
+@pytest.mark.parametrize("rows_per_block", [1, 7, 64])
+def test_scattered_rows_in_small_blocks_read_every_key_before_them(setup, monkeypatch,
+                                                                   rows_per_block):
+    # row blocks read only the keys up to their last row: too few keys would change the KV of
+    # the next layer's rows, too many (without the causal mask) too
+    model, tokens, reference, layers_kv, block_table = setup
+    monkeypatch.setattr(blend, "_QUERY_ROWS_PER_BLOCK", rows_per_block)
+    scattered = torch.tensor([0, 3, 4, 9, 21, 22, 23, 40, 58, 69])
+    rest = torch.tensor([p for p in range(70) if p not in set(scattered.tolist())])
+    _fill(layers_kv, block_table, reference, rest)
+    recompute_tokens(model, layers_kv, block_table, tokens[scattered], scattered)
     _assert_pages_match(layers_kv, block_table, reference, torch.arange(70))
 
 
