@@ -119,7 +119,11 @@ def connector_config(policy: str, plan: ChunkReusePlan, ape: bool = False) -> di
     extra = {"recompute": policy, "stores": list(plan.stores), "epic_tokens": plan.epic_tokens,
              "recompute_ratio": plan.recompute_ratio, "query_window": plan.query_window,
              "min_reuse_tokens": plan.min_reuse_tokens,
-             "save_new_chunks": True}
+             "save_new_chunks": True,
+             # the side reads the last counters line of its log: log every step that loads or
+             # saves, so the last line counts the last request (shutdown may kill the worker
+             # before its final line)
+             "log_interval_s": 0}
     if ape:
         extra.update(attention_temperature=plan.attention_temperature,
                      attention_scale=plan.attention_scale)

@@ -366,6 +366,9 @@ class ChunkReuseConnector(KVConnectorBase_V1, SupportsHMA):
                                f"architecture is not supported for chunk reuse")
         for load in meta.loads:
             self._load_request(model, load)
+        # steps that only load save nothing: without this, a run of reused requests would not
+        # log its counters until shutdown
+        self.counters.maybe_log(self.store)
 
     def _load_request(self, model: torch.nn.Module, req: RequestLoad) -> None:
         from vllm_accel.kernels.rope_rerotate import rerotate_keys

@@ -210,6 +210,7 @@ def test_sides_engines_and_tasks():
     extra = engines["epic"]["kv_transfer_config"]["kv_connector_extra_config"]
     assert extra["recompute"] == "epic" and extra["stores"] == ["memory", "disk:/tmp/x"]
     assert extra["recompute_ratio"] == 0.3 and engines["epic"]["dtype"] == "float32"
+    assert extra["log_interval_s"] == 0  # the last log line must count the last request
     quick = chunk_reuse.side_engines(chunk_reuse.QUICK)
     naive = quick["naive"]["kv_transfer_config"]["kv_connector_extra_config"]
     assert naive["recompute"] == "none" and "attention_temperature" not in naive
