@@ -147,3 +147,6 @@ def test_query_windows_take_ranked_tokens_with_neighbours_up_to_the_budget():
     assert windows_by_rank([50, 90], allowed, 12, 4) == [*range(46, 55), 89, 90, 91]
     assert windows_by_rank([50], allowed, 0, 4) == []
     assert windows_by_rank([50, 60], allowed, 3, 0) == [50, 60]
+    # asymmetric windows (the selection study's forward-leaning variant): 1 before, 6 after
+    assert windows_by_rank([50], allowed, 100, 1, after=6) == [*range(49, 57)]
+    assert windows_by_rank([50], allowed, 3, 1, after=6) == [49, 50, 51]
