@@ -14,7 +14,8 @@ per *selection mode*, a mode being the set of reused tokens recomputed in every 
 * ``facts`` — oracle: the inserted fact sentence of every document (4 tokens before it, 16 from
   its start), nothing else;
 * ``first`` — the first 16 tokens of every document (EPIC's choice);
-* ``target`` / ``nontarget`` — oracle: the documents the answer needs / all the others.
+* ``target`` / ``nontarget`` — oracle: the documents the answer needs / all the others;
+* ``A+B`` — the union of modes ``A`` and ``B`` (e.g. ``query+facts``).
 
 Usage (about 10 s per question and mode for Qwen2.5-Coder-0.5B on 2 cores)::
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the worker in this process
@@ -43,6 +45,15 @@ _query_choice = connector_mod.ChunkReuseConnector._query_choice
 
 def _choice(self, model, layers, block_table, req, forced, loaded):
     mode, spans = _STATE["mode"], _STATE["spans"]
+    if "+" in mode:  # the union of the parts' choices
+        chosen = set()
+        for part in mode.split("+"):
+            _STATE["mode"] = part
+            try:
+                chosen |= set(_choice(self, model, layers, block_table, req, forced, loaded))
+            finally:
+                _STATE["mode"] = mode
+        return sorted(chosen)
     allowed = set(loaded)
     if mode.startswith("query"):
         name, _, setting = mode.partition("@")
@@ -125,6 +136,19 @@ def _two_rounds(self, model, layers, block_table, req, forced, loaded, ratio, wi
                        window)
 
 
+def _digit_margin(tokenizer, output) -> float:
+    """The smallest log-probability lead (nats) of a chosen digit token over the runner-up:
+    how close the answer's closest digit decision was to flipping."""
+    margins = [math.inf]
+    for token, ranked in zip(output.token_ids, output.logprobs or []):
+        if not tokenizer.decode([token]).strip().isdigit():
+            continue
+        others = [lp.logprob for t, lp in ranked.items() if t != token]
+        if others:
+            margins.append(ranked[token].logprob - max(others))
+    return min(margins)
+
+
 def _fact_offset(tokenizer, ids: list[int]) -> int:
     for k in range(len(ids)):
         if tokenizer.decode(ids[k:k + 6]).strip().startswith("The access code"):
@@ -162,7 +186,7 @@ def main() -> None:
         llm.generate([{"prompt_token_ids": list(prompt)}], SamplingParams(max_tokens=1),
                      use_tqdm=False)
     facts = [_fact_offset(tokenizer, list(d.token_ids)) for d in work.documents]
-    greedy = SamplingParams(max_tokens=16, temperature=0)
+    greedy = SamplingParams(max_tokens=16, temperature=0, logprobs=2)
     right = dict.fromkeys(modes, 0)
     for q in work.questions:
         prompt = list(q.prompt)
@@ -173,11 +197,12 @@ def main() -> None:
         line = []
         for mode in modes:
             _STATE["mode"] = mode
-            text = llm.generate([{"prompt_token_ids": prompt}], greedy,
-                                use_tqdm=False)[0].outputs[0].text
-            ok = workload.score(q.expected, text)
+            output = llm.generate([{"prompt_token_ids": prompt}], greedy,
+                                  use_tqdm=False)[0].outputs[0]
+            ok = workload.score(q.expected, output.text)
             right[mode] += ok
-            line.append(f"{mode}:{'Y' if ok else 'n'} {text.strip()[:14]!r}")
+            line.append(f"{mode}:{'Y' if ok else 'n'} {output.text.strip()[:14]!r} "
+                        f"m={_digit_margin(tokenizer, output):.2f}")
         print(f"{q.expected} at {_STATE['targets']}: " + "  ".join(line), flush=True)
     print("right answers of", len(work.questions), right)
 

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from vllm_accel.bench.harness import engine_settings, run_side
+
+# one-worker engines run their engine core and CPU worker inside the engine's process
+# (run_side): these tests check outputs, not timings, and skip two vLLM start-ups per engine
+os.environ.setdefault("VLLM_ACCEL_ENGINE_IN_PROCESS", "1")
 
 
 def pytest_collection_modifyitems(items):
