@@ -67,16 +67,25 @@ def rotary_of(model: nn.Module) -> nn.Module:
     return decoder_layers(model)[0].self_attn.rotary_emb
 
 
-class _PagedRowAttention(nn.Module):
+class _PagedStandIn(nn.Module):
+    """Base of the modules that stand in for a layer's ``attn`` module over one request's
+    pages: the layer's head geometry and softmax scale, the pages and the block table."""
+
+    def __init__(self, attn: nn.Module, paged: PagedLayerKV, block_table: torch.Tensor):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
+        self.head_size, self.scale = attn.head_size, attn.impl.scale
+        self.paged, self.block_table = paged, block_table
+
+
+class _PagedRowAttention(_PagedStandIn):
     """Stands in for a layer's ``attn`` module: rows attend to their request's pages."""
 
     def __init__(self, attn: nn.Module, paged: PagedLayerKV, block_table: torch.Tensor,
                  positions: torch.Tensor, candidates: torch.Tensor | None = None,
                  ratio: float = 0.0):
-        super().__init__()
-        self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
-        self.head_size, self.scale = attn.head_size, attn.impl.scale
-        self.paged, self.block_table, self.positions = paged, block_table, positions
+        super().__init__(attn, paged, block_table)
+        self.positions = positions
         self.candidates, self.ratio = candidates, ratio
         self.keep: torch.Tensor | None = None
 
@@ -116,7 +125,7 @@ class _PagedRowAttention(nn.Module):
         return out.reshape(n, self.num_heads * d)
 
 
-class _ProbeAttention(nn.Module):
+class _ProbeAttention(_PagedStandIn):
     """Stands in for a layer's ``attn`` module while query rows probe the pages: the rows (the
     contiguous positions ``first .. first+n-1``) attend to the page keys ``[0, first)`` that are
     ``key_valid`` and causally to each other's fresh K/V; nothing is written. With
@@ -125,10 +134,7 @@ class _ProbeAttention(nn.Module):
 
     def __init__(self, attn: nn.Module, paged: PagedLayerKV, block_table: torch.Tensor,
                  key_valid: torch.Tensor, score_rows: torch.Tensor | None):
-        super().__init__()
-        self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
-        self.head_size, self.scale = attn.head_size, attn.impl.scale
-        self.paged, self.block_table = paged, block_table
+        super().__init__(attn, paged, block_table)
         self.key_valid, self.score_rows = key_valid, score_rows
         self.peak = torch.zeros(key_valid.numel(), dtype=torch.float32, device=key_valid.device)
 
