@@ -9,6 +9,8 @@ per *selection mode*, a mode being the set of reused tokens recomputed in every 
 * ``query`` / ``query@R`` / ``query@R/wW`` — the connector's ``recompute=query`` choice at
   ``recompute_ratio`` R (default 0.15) and ``query_window`` W (default 4);
 * ``query@R/wB:F`` — the same with ``B`` neighbours before each ranked token and ``F`` after;
+* ``queryrr`` / ``queryrr@R`` — the ``query`` ranking dealt out across documents (each
+  document's best token first, then each one's second best, ...);
 * ``query2`` / ``query2@R`` — two rounds: half the budget chosen by the probe and recomputed,
   then a second probe over the refreshed pages chooses the other half;
 * ``facts`` — oracle: the inserted fact sentence of every document (4 tokens before it, 16 from
@@ -64,6 +66,9 @@ def _choice(self, model, layers, block_table, req, forced, loaded):
         if after:  # asymmetric window: the planner's ``after`` neighbours
             return _after_windows(self, model, layers, block_table, req, forced, loaded,
                                   ratio, window, int(after))
+        if name == "queryrr":
+            return _round_robin(self, model, layers, block_table, req, forced, loaded, ratio,
+                                window)
         if name == "query2":
             return _two_rounds(self, model, layers, block_table, req, forced, loaded, ratio,
                                window)
@@ -110,6 +115,30 @@ def _after_windows(self, model, layers, block_table, req, forced, loaded, ratio,
     try:
         return _query_with(self, model, layers, block_table, req, forced, loaded, ratio,
                            before)
+    finally:
+        connector_mod.windows_by_rank = symmetric
+
+
+def _round_robin(self, model, layers, block_table, req, forced, loaded, ratio, window):
+    """``queryrr``: the ``query`` ranking dealt out across documents (every document's best
+    token, then every document's second best, ...), so no document's reused KV is left
+    entirely as loaded."""
+    from vllm_accel.kv_connector import planner
+
+    spans = _STATE["spans"]
+
+    def by_document(ranked, allowed, budget, window):
+        places = [[p for p in ranked if start <= p < end] for start, end in spans]
+        dealt = [p for rank in zip(*places) for p in rank]
+        taken = set(dealt)
+        dealt += [p for p in ranked if p not in taken]  # past the shortest document's ranks
+        return planner.windows_by_rank(dealt, allowed, budget, window)
+
+    symmetric = connector_mod.windows_by_rank
+    connector_mod.windows_by_rank = by_document
+    try:
+        return _query_with(self, model, layers, block_table, req, forced, loaded, ratio,
+                           window)
     finally:
         connector_mod.windows_by_rank = symmetric
 
