@@ -39,6 +39,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the worker in th
 
 from vllm_accel.bench import chunk_reuse_workload as workload  # noqa: E402
 from vllm_accel.kv_connector import connector as connector_mod  # noqa: E402
+from vllm_accel.kv_connector import planner  # noqa: E402
 from vllm_accel.models.fetch import model_path  # noqa: E402
 
 _STATE: dict = {}
@@ -92,39 +93,36 @@ def _choice(self, model, layers, block_table, req, forced, loaded):
     return sorted(chosen & allowed)
 
 
-def _query_with(self, model, layers, block_table, req, forced, loaded, ratio, window):
-    """The connector's ``query`` choice at ``ratio`` and ``window``."""
+def _query_with(self, model, layers, block_table, req, forced, loaded, ratio, window,
+                windows=None):
+    """The connector's ``query`` choice at ``ratio`` and ``window``; with ``windows``, that
+    function stands in for the planner's ``windows_by_rank`` (same arguments)."""
     saved, self.config = self.config, dataclasses.replace(self.config, recompute_ratio=ratio,
                                                           query_window=window)
+    original = connector_mod.windows_by_rank
+    connector_mod.windows_by_rank = windows or original
     try:
         return _query_choice(self, model, layers, block_table, req, forced, loaded)
     finally:
-        self.config = saved
+        self.config, connector_mod.windows_by_rank = saved, original
 
 
 def _after_windows(self, model, layers, block_table, req, forced, loaded, ratio, before,
                    after):
     """``query@R/wB:F``: the ``query`` choice with ``B`` neighbours before each ranked token
     and ``F`` after it."""
-    from vllm_accel.kv_connector import planner
 
-    symmetric = connector_mod.windows_by_rank
-    connector_mod.windows_by_rank = (
-        lambda ranked, allowed, budget, window: planner.windows_by_rank(
-            ranked, allowed, budget, before, after))
-    try:
-        return _query_with(self, model, layers, block_table, req, forced, loaded, ratio,
-                           before)
-    finally:
-        connector_mod.windows_by_rank = symmetric
+    def asymmetric(ranked, allowed, budget, window):
+        return planner.windows_by_rank(ranked, allowed, budget, before, after)
+
+    return _query_with(self, model, layers, block_table, req, forced, loaded, ratio, before,
+                       asymmetric)
 
 
 def _round_robin(self, model, layers, block_table, req, forced, loaded, ratio, window):
     """``queryrr``: the ``query`` ranking dealt out across documents (every document's best
     token, then every document's second best, ...), so no document's reused KV is left
     entirely as loaded."""
-    from vllm_accel.kv_connector import planner
-
     spans = _STATE["spans"]
 
     def by_document(ranked, allowed, budget, window):
@@ -134,13 +132,8 @@ def _round_robin(self, model, layers, block_table, req, forced, loaded, ratio, w
         dealt += [p for p in ranked if p not in taken]  # past the shortest document's ranks
         return planner.windows_by_rank(dealt, allowed, budget, window)
 
-    symmetric = connector_mod.windows_by_rank
-    connector_mod.windows_by_rank = by_document
-    try:
-        return _query_with(self, model, layers, block_table, req, forced, loaded, ratio,
-                           window)
-    finally:
-        connector_mod.windows_by_rank = symmetric
+    return _query_with(self, model, layers, block_table, req, forced, loaded, ratio, window,
+                       by_document)
 
 
 def _two_rounds(self, model, layers, block_table, req, forced, loaded, ratio, window):
