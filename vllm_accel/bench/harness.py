@@ -111,9 +111,11 @@ def summarize(result: dict[str, Any], work: Workloads) -> dict[str, Any]:
     tasks = result["tasks"]
     needle_scores = [needle.score(c, o["text"])
                      for c, o in zip(work.needle_cases, tasks.get("needle", []))]
+    retrieval_scores = [retrieval.score(c, o["text"])
+                        for c, o in zip(work.retrieval_cases, tasks.get("retrieval", []))]
     kinds: dict[str, list[float]] = {}
-    for case, out in zip(work.retrieval_cases, tasks.get("retrieval", [])):
-        kinds.setdefault(case.kind, []).append(retrieval.score(case, out["text"]))
+    for case, sc in zip(work.retrieval_cases, retrieval_scores):
+        kinds.setdefault(case.kind, []).append(sc)
     return {
         "load_s": result["load_s"],
         "num_kv_blocks": result["num_kv_blocks"],
@@ -125,6 +127,9 @@ def summarize(result: dict[str, Any], work: Workloads) -> dict[str, Any]:
         "needle_by_case": [{"length": c.length, "depth": c.depth, "score": sc}
                            for c, sc in zip(work.needle_cases, needle_scores)],
         "retrieval": {k: sum(v) / len(v) for k, v in kinds.items()},
+        # per case, in the same order on every side: lets two sides be compared case by case
+        "retrieval_by_case": [{"kind": c.kind, "length": c.length, "score": sc}
+                              for c, sc in zip(work.retrieval_cases, retrieval_scores)],
         "perplexity": perplexity.perplexity([w["logprobs"] for w in tasks["perplexity"]])
         if "perplexity" in tasks else None,
     }
@@ -178,8 +183,24 @@ def compare(base: dict[str, Any], accel: dict[str, Any], base_raw: dict[str, Any
         "perplexity_accelerated": accel["perplexity"],
         **{f"{k}_baseline": v for k, v in base["retrieval"].items()},
         **{f"{k}_accelerated": v for k, v in accel["retrieval"].items()},
+        **retrieval_case_changes(base["retrieval_by_case"], accel["retrieval_by_case"]),
     })
     return ratios, quality
+
+
+def retrieval_case_changes(base_cases: list[dict[str, Any]],
+                           accel_cases: list[dict[str, Any]]) -> dict[str, int]:
+    """Per retrieval kind, how many cases (the same prompts on both sides) scored lower
+    (``<kind>_cases_worse``) and higher (``<kind>_cases_better``) on the accelerated side: a
+    gap made of a few changed cases in both directions is noise, one-sided changes are not."""
+    out: dict[str, int] = {}
+    for b, a in zip(base_cases, accel_cases, strict=True):
+        kind = b["kind"]
+        out.setdefault(f"{kind}_cases_worse", 0)
+        out.setdefault(f"{kind}_cases_better", 0)
+        if a["score"] != b["score"]:
+            out[f"{kind}_cases_{'worse' if a['score'] < b['score'] else 'better'}"] += 1
+    return out
 
 
 def round_ratios(base_raw: dict[str, Any], accel_raw: dict[str, Any]) -> dict[int, dict[str, Any]]:

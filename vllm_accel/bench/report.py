@@ -60,8 +60,11 @@ def table(result: dict[str, Any]) -> str:
                      _fmt(q["needle_accelerated"]), extra_note("needle")))
     for kind in ("multikey", "multivalue"):
         if f"{kind}_baseline" in q:
+            changed = (f"cases worse/better: {q[f'{kind}_cases_worse']}/"
+                       f"{q[f'{kind}_cases_better']}" if f"{kind}_cases_worse" in q else "")
             rows.append((f"{kind} retrieval", _fmt(q[f"{kind}_baseline"]),
-                         _fmt(q[f"{kind}_accelerated"]), extra_note(kind)))
+                         _fmt(q[f"{kind}_accelerated"]),
+                         "; ".join(n for n in (changed, extra_note(kind)) if n)))
     if q.get("perplexity_baseline") is not None:
         rows.append(("perplexity", _fmt(q["perplexity_baseline"]),
                      _fmt(q["perplexity_accelerated"]),
