@@ -49,7 +49,7 @@ def test_prompt_predictions_reads_prompt_token_logprob_and_rank1_token():
 def test_compare_reports_agreement_of_the_perplexity_task():
     side = {"by_prompt_length": {512: {"ttft_s": 1.0, "tpot_s": 0.1, "kv_blocks": 4}},
             "throughput_tok_s": None, "needle_accuracy": None, "retrieval": {},
-            "perplexity": 2.0}
+            "retrieval_by_case": [], "perplexity": 2.0}
     base_raw = {"tasks": {"perplexity": [{"logprobs": [None, -1.0, -1.0], "top1": [None, 1, 2]}]}}
     accel_raw = {"tasks": {"perplexity": [{"logprobs": [None, -1.5, -1.0], "top1": [None, 1, 3]}]}}
     _, quality = harness.compare(side, side, base_raw, accel_raw)
@@ -60,7 +60,9 @@ def test_compare_reports_agreement_of_the_perplexity_task():
 def test_compare_without_the_latency_task_reports_quality_only():
     """``--set tasks=needle,retrieval``: no prompt-length rows, no speed ratios."""
     side = {"by_prompt_length": {}, "throughput_tok_s": None, "needle_accuracy": 0.9,
-            "retrieval": {"multikey": 1.0}, "perplexity": None}
+            "retrieval": {"multikey": 1.0},
+            "retrieval_by_case": [{"kind": "multikey", "length": 512, "score": 1.0}],
+            "perplexity": None}
     ratios, quality = harness.compare(side, {**side, "needle_accuracy": 0.8},
                                       {"tasks": {}}, {"tasks": {}})
     assert "ttft_speedup" not in ratios and ratios["throughput_ratio"] is None
