@@ -1,7 +1,9 @@
 """One prefill chunk of one attention layer over the KIVI cache on the CPU: the torch reference
 (dequantize the whole sequence, one SDPA with an explicit causal mask: the prefill path before
 the split) against the split flash attention (``kernel: native``'s prefill rows), with the
-chunk's own K/V from the cache (``prefill_kv: cache``) or unquantized (``exact``).
+chunk's own K/V from the cache (``prefill_kv: cache``) or unquantized (``exact``), and with
+``exact`` plus the whole context from the exact prompt buffer (``prompt_exact_tokens``: the
+context is the same prompt's earlier prefill steps, held unquantized).
 
     .venv/bin/python benchmarks/kivi_cpu_prefill.py [--chunk 4096 --context 4096] \
         [--heads 14 --kv-heads 2 --head-size 64] [--dtype kivi_4bit] [--repeats 5]
@@ -48,15 +50,19 @@ def main() -> None:
     qsl = torch.tensor([0, lq])
     own = (k[ctx:], v[ctx:])
 
-    def run(backend, chunk_kv=None):
+    earlier = [(k[:ctx], v[:ctx])]
+
+    def run(backend, chunk_kv=None, context_kv=None):
         return lambda: kivi_paged_attention(q, cache, table, lens, qsl, d ** -0.5, lay,
                                             k_tail=tail, tail_index=tail_index,
-                                            backend=backend, chunk_kv=chunk_kv)
+                                            backend=backend, chunk_kv=chunk_kv,
+                                            context_kv=context_kv)
 
     rows = {
         "reference (dequantize all + masked SDPA)": median_ms(run("torch"), args.repeats),
         "split, prefill_kv=cache": median_ms(run("native"), args.repeats),
         "split, prefill_kv=exact": median_ms(run("native", own), args.repeats),
+        "split, exact + prompt buffer": median_ms(run("native", own, earlier), args.repeats),
     }
     base = rows["reference (dequantize all + masked SDPA)"]
     print(f"{args.dtype}, chunk {lq} over context {ctx}, {hq}/{hkv} heads, D={d}, "

@@ -97,15 +97,26 @@ def test_kivi_with_proposer(run):
     """Drafts are verified on the quantized cache: 1 + k query rows per step go through the
     torch path of KIVI attention instead of the one-row native decode kernel, over the same
     quantized bytes, so in float32 the tokens must be those of KIVI without the proposer.
-    Both engines split the prompts the same way (chunked prefill, 256-token steps): with
-    ``prefill_kv=exact`` a step reads the earlier steps' tokens quantized, so the step size
-    changes the prompt's numerics (a 0.002-nat near-tie on the second prompt flips between
-    one step and 256-token steps), not the proposer."""
+    Both engines split the prompts the same way (chunked prefill, 256-token steps)."""
     kivi, _, _ = run("kivi+chunked", KIVI, CHUNKED)
     both, result, log = run("kivi+proposer+chunked", KIVI, PROPOSER, CHUNKED)
     assert "Using ACCEL_KIVI_4BIT backend" in log
     assert both == kivi
     assert _accepted(result) > 0
+
+
+def test_kivi_chunked_prefill_reads_earlier_steps_unquantized(run):
+    """With the exact prompt buffer (``prompt_exact_tokens``, on by default) a prompt split
+    into 256-token steps computes what one-step prefill computes: the same tokens as KIVI
+    prefilling each ~1.1K-token prompt in one step. Without it the later steps read the
+    earlier ones quantized, and a 0.002-nat near tie on the second prompt flips."""
+    one_step, _, _ = run("kivi", KIVI)
+    chunked, _, log = run("kivi+chunked", KIVI, CHUNKED)
+    off, _, _ = run("kivi+chunked+no-buffer", KIVI, CHUNKED, {"additional_config": {
+        "vllm_accel": {"kv_quant": {"prompt_exact_tokens": 0}}}})
+    assert "KIVI exact prompt buffer: up to 8192 prompt tokens" in log
+    assert chunked == one_step
+    assert off != one_step
 
 
 def test_chunk_reuse_with_proposer(run):

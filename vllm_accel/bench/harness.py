@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -189,18 +190,35 @@ def compare(base: dict[str, Any], accel: dict[str, Any], base_raw: dict[str, Any
 
 
 def retrieval_case_changes(base_cases: list[dict[str, Any]],
-                           accel_cases: list[dict[str, Any]]) -> dict[str, int]:
+                           accel_cases: list[dict[str, Any]]) -> dict[str, float]:
     """Per retrieval kind, how many cases (the same prompts on both sides) scored lower
-    (``<kind>_cases_worse``) and higher (``<kind>_cases_better``) on the accelerated side: a
-    gap made of a few changed cases in both directions is noise, one-sided changes are not."""
-    out: dict[str, int] = {}
+    (``<kind>_cases_worse``) and higher (``<kind>_cases_better``) on the accelerated side, and
+    how likely a split at least that one-sided is if a changed case is as likely to go either
+    way (``<kind>_sign_test_p``, :func:`sign_test_p`): a gap made of a few changed cases in
+    both directions is noise, one-sided changes are not."""
+    out: dict[str, float] = {}
     for b, a in zip(base_cases, accel_cases, strict=True):
         kind = b["kind"]
         out.setdefault(f"{kind}_cases_worse", 0)
         out.setdefault(f"{kind}_cases_better", 0)
         if a["score"] != b["score"]:
             out[f"{kind}_cases_{'worse' if a['score'] < b['score'] else 'better'}"] += 1
+    for kind in {c["kind"] for c in base_cases}:
+        out[f"{kind}_sign_test_p"] = sign_test_p(int(out[f"{kind}_cases_worse"]),
+                                                 int(out[f"{kind}_cases_better"]))
     return out
+
+
+def sign_test_p(worse: int, better: int) -> float:
+    """Two-sided exact sign test: the probability of a split of ``worse + better`` changed
+    cases at least as uneven as this one when each goes either way with probability 1/2.
+
+    >>> round(sign_test_p(13, 7), 3), sign_test_p(0, 0), round(sign_test_p(10, 0), 4)
+    (0.263, 1.0, 0.002)
+    """
+    n, k = worse + better, max(worse, better)
+    tail = sum(math.comb(n, i) for i in range(k, n + 1)) / 2 ** n
+    return min(1.0, 2 * tail)
 
 
 def round_ratios(base_raw: dict[str, Any], accel_raw: dict[str, Any]) -> dict[int, dict[str, Any]]:

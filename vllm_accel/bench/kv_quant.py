@@ -15,14 +15,17 @@ slot per ``--max-num-seqs``) lives outside vLLM's KV-cache budget: the accelerat
 ``kv_cache_memory_bytes`` is the budget **minus the pool** (:func:`finish_engine`), so both sides
 use the same memory for KV. ``ratios.kv_capacity_ratio`` = accelerated / baseline tokens;
 ``ratios.kv_bytes_per_token_*`` are the KV bytes per token (all layers, pool included) each
-side's cache costs; ``ratios.tail_pool_bytes`` the pool. Quality (``quality.ppl_bf16``,
-``quality.ppl_quant``, needle/retrieval, top-1 agreement with the bf16 side) comes from the
-common tasks. ``quality.kv_quant`` records every KIVI knob the side ran with (``bench kv-quant
---kv-quant KNOB=VALUE``, e.g. ``sink_tokens=4``), ``quality.prefill_kv`` the one that decides
-what prompt scores mean (``--prefill-kv``): under ``exact`` (the CPU default) a prompt prefilled
-in one step attends to its own unquantized K/V, so prompt perplexity and agreement measure only
-what decode reads; run ``--prefill-kv cache`` to score every prompt position as a decode step
-would read it.
+side's cache costs; ``ratios.tail_pool_bytes`` the pool. ``ratios.prompt_buffer_bytes`` is the
+most the exact prompt buffer holds (``kv_quant.prompt_exact_tokens``: unquantized K/V of a
+prompt between its prefill steps, only while it is prefilled; not netted from the budget, like
+the prefill's activations). Quality (``quality.ppl_bf16``, ``quality.ppl_quant``,
+needle/retrieval, top-1 agreement with the bf16 side) comes from the common tasks.
+``quality.kv_quant`` records every KIVI knob the side ran with (``bench kv-quant --kv-quant
+KNOB=VALUE``, e.g. ``sink_tokens=4``), ``quality.prefill_kv`` the one that decides what prompt
+scores mean (``--prefill-kv``): under ``exact`` (the CPU default) a prompt attends to its own
+unquantized K/V (in one step, or across steps through the exact prompt buffer), so prompt
+perplexity and agreement measure only what decode reads; run ``--prefill-kv cache`` to score
+every prompt position as a decode step would read it.
 """
 
 from __future__ import annotations
@@ -53,30 +56,49 @@ def engine_extra(kv_cache_dtype: str, model_dtype: str = MODEL_DTYPE,
     return engine
 
 
-def residual_pool_bytes(engine: dict[str, Any]) -> int:
-    """Bytes of the KIVI residual pool the engine ``engine`` allocates (0 for other dtypes)."""
+def _model_kv_shape(engine: dict[str, Any]) -> dict[str, int]:
+    """Layers, KV heads, head size and bytes per element of the engine's model."""
     import json
     from pathlib import Path
 
     import torch
 
+    cfg = json.loads((Path(engine["model"]) / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    return {"num_layers": cfg["num_hidden_layers"],
+            "num_kv_heads": cfg.get("num_key_value_heads", heads),
+            "head_size": cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            "dtype_bytes": getattr(torch, engine.get("dtype", MODEL_DTYPE)).itemsize}
+
+
+def residual_pool_bytes(engine: dict[str, Any]) -> int:
+    """Bytes of the KIVI residual pool the engine ``engine`` allocates (0 for other dtypes)."""
     from vllm_accel.kernels.kivi_format import PRESETS
     from vllm_accel.kv_quant.config import load_knobs
     from vllm_accel.kv_quant.tail_pool import entries_per_request, pool_bytes
 
-    dtype = engine.get("kv_cache_dtype", "auto")
     knobs = load_knobs(engine.get("additional_config"))
-    if dtype not in PRESETS or knobs.residual != "tail":
+    if engine.get("kv_cache_dtype", "auto") not in PRESETS or knobs.residual != "tail":
         return 0
-    cfg = json.loads((Path(engine["model"]) / "config.json").read_text())
-    heads = cfg["num_attention_heads"]
     return pool_bytes(
-        num_layers=cfg["num_hidden_layers"], num_kv_heads=cfg.get("num_key_value_heads", heads),
-        key_group=knobs.key_group,
-        head_size=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        **_model_kv_shape(engine), key_group=knobs.key_group,
         max_requests=engine["max_num_seqs"],
-        entries_per_slot=entries_per_request(bool(engine.get("speculative_config"))),
-        dtype_bytes=getattr(torch, engine.get("dtype", MODEL_DTYPE)).itemsize)
+        entries_per_slot=entries_per_request(bool(engine.get("speculative_config"))))
+
+
+def prompt_buffer_bytes(engine: dict[str, Any]) -> int:
+    """The most bytes the KIVI exact prompt buffer of a CPU engine holds (0 when off): it
+    holds them only while a prompt longer than one prefill step is being prefilled."""
+    from vllm_accel.kernels.kivi_format import PRESETS
+    from vllm_accel.kv_quant.config import load_knobs, resolve_prefill_kv
+    from vllm_accel.kv_quant.prompt_kv import buffer_bytes
+
+    knobs = load_knobs(engine.get("additional_config"))
+    kernel = "torch" if knobs.kernel == "auto" else knobs.kernel  # the bench runs on the CPU
+    if (engine.get("kv_cache_dtype", "auto") not in PRESETS or not knobs.prompt_exact_tokens
+            or resolve_prefill_kv(knobs.prefill_kv, kernel) != "exact"):
+        return 0
+    return buffer_bytes(capacity_tokens=knobs.prompt_exact_tokens, **_model_kv_shape(engine))
 
 
 def finish_engine(engine: dict[str, Any]) -> dict[str, Any]:
@@ -104,6 +126,7 @@ def report(baseline: dict[str, Any], accelerated: dict[str, Any]
         "kv_bytes_per_token_quant":
             (accelerated["engine"]["kv_cache_memory_bytes"] + pool) / quant_tokens,
         "tail_pool_bytes": pool,
+        "prompt_buffer_bytes": prompt_buffer_bytes(accelerated["engine"]),
     }
     import dataclasses
 

@@ -62,6 +62,8 @@ def table(result: dict[str, Any]) -> str:
         if f"{kind}_baseline" in q:
             changed = (f"cases worse/better: {q[f'{kind}_cases_worse']}/"
                        f"{q[f'{kind}_cases_better']}" if f"{kind}_cases_worse" in q else "")
+            if changed and f"{kind}_sign_test_p" in q:
+                changed += f" (sign test p={q[f'{kind}_sign_test_p']:.2g})"
             rows.append((f"{kind} retrieval", _fmt(q[f"{kind}_baseline"]),
                          _fmt(q[f"{kind}_accelerated"]),
                          "; ".join(n for n in (changed, extra_note(kind)) if n)))

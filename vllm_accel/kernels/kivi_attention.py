@@ -37,7 +37,7 @@ Two implementations behind one function:
 from __future__ import annotations
 
 import functools
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 import torch
 
@@ -76,9 +76,17 @@ def _own_rows(chunk_kv, min_rows, q0, q1):
     return chunk_kv[0][q0:q1], chunk_kv[1][q0:q1]
 
 
+def _exact_context(context_kv, own, i):
+    """Sequence ``i``'s unquantized K/V of its last context positions, when it has them and
+    its chunk attends to its own K/V."""
+    if context_kv is None or own is None:
+        return None
+    return context_kv[i]
+
+
 def _attention_torch(
     query, cache, block_table, seq_lens, qsl, scale, layout, k_tail, tail_index, out, skip=(),
-    chunk_kv=None, chunk_kv_min_rows=2,
+    chunk_kv=None, chunk_kv_min_rows=2, context_kv=None,
 ):
     sl = seq_lens.tolist()
     starts = qsl.tolist()
@@ -98,6 +106,10 @@ def _attention_torch(
         own = _own_rows(chunk_kv, chunk_kv_min_rows, q0, q1)
         if own is not None:
             k[L - lq:], v[L - lq:] = own[0].float(), own[1].float()
+        exact = _exact_context(context_kv, own, i)
+        if exact is not None and exact[0].shape[0]:
+            e = exact[0].shape[0]
+            k[L - lq - e:L - lq], v[L - lq - e:L - lq] = exact[0].float(), exact[1].float()
         q = query[q0:q1].float().transpose(0, 1).unsqueeze(0)  # [1, Hq, lq, D]
         kk = k.transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
         vv = v.transpose(0, 1).unsqueeze(0)
@@ -655,6 +667,7 @@ def kivi_paged_attention(
     backend: str = "auto",
     chunk_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     chunk_kv_min_rows: int = 2,
+    context_kv: Sequence[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
 ) -> torch.Tensor:
     """Causal varlen GQA attention over the KIVI paged cache.
 
@@ -686,6 +699,10 @@ def kivi_paged_attention(
             chunks) attend to them for their own positions and to the cache for their context,
             as KIVI's reference does in prefill; the others (decode and draft-verification rows)
             read everything from the cache. CPU backends only.
+        context_kv: per sequence, None or the unquantized ``(key, value)`` ``[e, H_kv, D]`` of
+            the ``e`` context positions right before its chunk (earlier prefill steps of the
+            same prompt, :mod:`vllm_accel.kv_quant.prompt_kv`): read instead of the cache's
+            rows, for sequences that attend to ``chunk_kv``. CPU backends only.
     Returns ``out``.
     """
     t_n, hq, d = query.shape
@@ -711,10 +728,12 @@ def kivi_paged_attention(
     if chunk_kv is not None and chunk_kv_min_rows < 2:
         raise ValueError("kivi_paged_attention: chunk_kv_min_rows must be >= 2 (decode rows "
                          "read their own key from the tail and their value from the cache)")
+    if context_kv is not None and len(context_kv) != seq_lens.numel():
+        raise ValueError("kivi_paged_attention: context_kv needs one entry per sequence")
     if backend == "triton":
-        if chunk_kv is not None:
-            raise NotImplementedError("kivi_paged_attention: chunk_kv is not supported by the "
-                                      "Triton kernel yet")
+        if chunk_kv is not None or context_kv is not None:
+            raise NotImplementedError("kivi_paged_attention: chunk_kv and context_kv are not "
+                                      "supported by the Triton kernel yet")
         if query.stride(2) != 1 or out.stride(2) != 1:
             raise ValueError("kivi_paged_attention: query/out need a contiguous last dimension")
         return _attention_triton(
@@ -745,17 +764,17 @@ def kivi_paged_attention(
         )
         return _attention_split_prefill(
             query, cache, block_table, seq_lens, query_start_loc, scale, layout, k_tail,
-            tail_index, out, native_rows, chunk_kv, chunk_kv_min_rows
+            tail_index, out, native_rows, chunk_kv, chunk_kv_min_rows, context_kv
         )
     return _attention_torch(
         query, cache, block_table, seq_lens, query_start_loc, scale, layout, k_tail, tail_index,
-        out, chunk_kv=chunk_kv, chunk_kv_min_rows=chunk_kv_min_rows
+        out, chunk_kv=chunk_kv, chunk_kv_min_rows=chunk_kv_min_rows, context_kv=context_kv
     )
 
 
 def _attention_split_prefill(
     query, cache, block_table, seq_lens, qsl, scale, layout, k_tail, tail_index, out, skip,
-    chunk_kv, chunk_kv_min_rows
+    chunk_kv, chunk_kv_min_rows, context_kv
 ):
     """The rows not in ``skip`` (prefill chunks) through :mod:`kivi_prefill_cpu`."""
     sl = seq_lens.tolist()
@@ -768,9 +787,10 @@ def _attention_split_prefill(
         if L <= 0:
             out[q0:q1] = 0
             continue
+        own = _own_rows(chunk_kv, chunk_kv_min_rows, q0, q1)
         out[q0:q1] = prefill_attention(
             query[q0:q1], cache, block_table[i], L, scale, layout, k_tail=k_tail,
-            tail_entry=tails[i], chunk_kv=_own_rows(chunk_kv, chunk_kv_min_rows, q0, q1),
+            tail_entry=tails[i], chunk_kv=own, context_kv=_exact_context(context_kv, own, i),
         ).to(out.dtype)
     return out
 

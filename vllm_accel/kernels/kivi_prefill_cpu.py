@@ -105,6 +105,7 @@ def prefill_attention(
     k_tail: torch.Tensor | None = None,
     tail_entry: int | None = None,
     chunk_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    context_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention of one sequence's last ``q_len`` positions over its KIVI cache.
 
@@ -113,8 +114,10 @@ def prefill_attention(
         cache, block_table_row, seq_len, layout, k_tail, tail_entry: as
             :func:`~vllm_accel.kernels.kivi_cache.gather_sequence_kv`.
         chunk_kv: the chunk's own ``(key, value)`` ``[q_len, H_kv, D]`` to attend to instead of
-            the cache's (dequantized) rows of those positions; the context always comes from
-            the cache.
+            the cache's (dequantized) rows of those positions.
+        context_kv: with ``chunk_kv``, the unquantized ``(key, value)`` ``[e, H_kv, D]`` of the
+            last ``e`` context positions, read instead of the cache's; the rest of the context
+            comes from the cache.
     Returns ``[q_len, Hq, D]`` in fp32.
     """
     lq, hq, d = query.shape
@@ -122,9 +125,14 @@ def prefill_attention(
     if ctx < 0:
         raise ValueError(f"KIVI prefill: {lq} queries for a sequence of {seq_len} tokens")
     dt = query.dtype if query.dtype in _COMPUTE_DTYPES else torch.float32
+    if context_kv is not None and chunk_kv is None:
+        raise ValueError("KIVI prefill: context_kv needs chunk_kv (the chunk's own K/V)")
+    exact_ctx = 0 if context_kv is None else context_kv[0].shape[0]
+    if exact_ctx > ctx:
+        raise ValueError(f"KIVI prefill: {exact_ctx} exact context rows for a context of {ctx}")
     k, v = gather_sequence_kv(cache, block_table_row, seq_len, layout, k_tail=k_tail,
                               tail_entry=tail_entry, backend="torch",
-                              length=ctx if chunk_kv is not None else seq_len)
+                              length=ctx - exact_ctx if chunk_kv is not None else seq_len)
     if chunk_kv is None:
         k_chunk, v_chunk = k[ctx:], v[ctx:]
     else:
@@ -132,6 +140,13 @@ def prefill_attention(
         if tuple(k_chunk.shape) != (lq, k.shape[1], d) or k_chunk.shape != v_chunk.shape:
             raise ValueError(f"KIVI prefill: chunk_kv must be two [{lq}, {k.shape[1]}, {d}] "
                              f"tensors; got {tuple(k_chunk.shape)}, {tuple(v_chunk.shape)}")
+        if exact_ctx:
+            k_ctx, v_ctx = context_kv
+            if k_ctx.shape != v_ctx.shape or tuple(k_ctx.shape[1:]) != (k.shape[1], d):
+                raise ValueError(f"KIVI prefill: context_kv must be two [e, {k.shape[1]}, {d}] "
+                                 f"tensors; got {tuple(k_ctx.shape)}, {tuple(v_ctx.shape)}")
+            k = torch.cat((k, k_ctx.to(k.dtype)))
+            v = torch.cat((v, v_ctx.to(v.dtype)))
     q = query.to(dt).transpose(0, 1)  # [Hq, lq, D]
 
     def heads_first(x: torch.Tensor) -> torch.Tensor:

@@ -10,8 +10,10 @@ backends). Roles:
   Pages are ``uint8 [num_blocks, H_kv, block_size, C]`` (layout LBHNC, one contiguous page per
   block and KV head, what :class:`~vllm_accel.kernels.kivi_format.KiviLayout` expects).
 * **Builder** -- passes vLLM's varlen metadata through (no scheduler metadata, no C++ op: the
-  CPU backend's builder would hand the unknown dtype name to ``cpu_attn_get_scheduler_metadata``)
-  and gives every row its residual-pool entries.
+  CPU backend's builder would hand the unknown dtype name to ``cpu_attn_get_scheduler_metadata``),
+  gives every row its residual-pool entries and, with exact prefill, plans the step's reads and
+  writes of the exact prompt buffer (:mod:`vllm_accel.kv_quant.prompt_kv`: a prompt's earlier
+  prefill steps, unquantized, for its later steps).
 * **Impl** -- ``do_kv_cache_update`` quantizes on write
   (:func:`~vllm_accel.kernels.kivi_cache.quantize_on_write`); ``forward`` runs
   :func:`~vllm_accel.kernels.kivi_attention.kivi_paged_attention` (on CPU: decode rows through the
@@ -38,6 +40,7 @@ decoder self-attention without sliding window, ALiBi, soft-capping or sinks.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
@@ -59,6 +62,7 @@ from vllm_accel.kernels.kivi_attention import kivi_paged_attention
 from vllm_accel.kernels.kivi_cache import quantize_on_write, resolve_backend
 from vllm_accel.kernels.kivi_format import ALLOWED_DTYPES, KiviLayout
 from vllm_accel.kv_quant.config import KvQuantKnobs, load_knobs, resolve_prefill_kv
+from vllm_accel.kv_quant.prompt_kv import PromptKvBuffer, PromptKvStep, buffer_bytes
 from vllm_accel.kv_quant.tail_pool import TailPool, entries_per_request
 from vllm_accel.log import get_logger
 
@@ -282,28 +286,73 @@ class KiviAttentionMetadata:
     tail_pool: TailPool | None = None
     tail_mapping: torch.Tensor | None = None
     tail_index: torch.Tensor | None = None
+    # prompt_exact_tokens > 0 with exact prefill: the step's reads and writes of the buffer of
+    # unquantized prompt K/V (None when no row reads or keeps any)
+    prompt_kv: PromptKvStep | None = None
 
 
-_POOLS: dict[tuple[int, tuple[str, ...]], TailPool] = {}
+# per engine (vllm_config), KV-cache group (its layers) and kind: state its builders share
+_ENGINE_STATE: dict[tuple[str, int, tuple[str, ...]], Any] = {}
+
+
+def _engine_state(kind: str, vllm_config: Any, layer_names: list[str],
+                  make: Callable[[], Any]) -> Any:
+    """The ``kind`` object of this engine's KV-cache group, made on first use; an earlier
+    engine's objects (same process, e.g. one test after another) are dropped."""
+    key = (kind, id(vllm_config), tuple(layer_names))
+    state = _ENGINE_STATE.get(key)
+    if state is None:
+        for stale in [k for k in _ENGINE_STATE if k[1] != id(vllm_config)]:
+            del _ENGINE_STATE[stale]
+        state = _ENGINE_STATE[key] = make()
+    return state
 
 
 def tail_pool_for(kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: Any,
                   device: torch.device, key_group: int) -> TailPool:
     """The residual pool of one KV-cache group of one engine (shared by its builders)."""
-    key = (id(vllm_config), tuple(layer_names))
-    pool = _POOLS.get(key)
-    if pool is None:
-        for stale in [k for k in _POOLS if k[0] != id(vllm_config)]:  # an earlier engine's
-            del _POOLS[stale]
+    def make() -> TailPool:
         pool = TailPool(
             layer_names, num_kv_heads=kv_cache_spec.num_kv_heads,
             key_group=key_group, head_size=kv_cache_spec.head_size,
             dtype=vllm_config.model_config.dtype, device=device,
             max_requests=vllm_config.scheduler_config.max_num_seqs,
             entries_per_slot=entries_per_request(vllm_config.speculative_config is not None))
-        _POOLS[key] = pool
         logger.info("KIVI residual pool: %s", pool.describe())
-    return pool
+        return pool
+
+    return _engine_state("tail_pool", vllm_config, layer_names, make)
+
+
+def prompt_buffer_for(kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: Any,
+                      capacity_tokens: int) -> PromptKvBuffer:
+    """The exact-prompt buffer of one KV-cache group of one engine (shared by its builders)."""
+    def make() -> PromptKvBuffer:
+        most = buffer_bytes(capacity_tokens=capacity_tokens, num_layers=len(layer_names),
+                            num_kv_heads=kv_cache_spec.num_kv_heads,
+                            head_size=kv_cache_spec.head_size,
+                            dtype_bytes=vllm_config.model_config.dtype.itemsize)
+        logger.info("KIVI exact prompt buffer: up to %d prompt tokens (%.1f MiB) stay "
+                    "unquantized between the prefill steps of a prompt, outside the KV-cache "
+                    "budget (vllm_accel.kv_quant.prompt_exact_tokens; 0 turns it off)",
+                    capacity_tokens, most / 2**20)
+        return PromptKvBuffer(capacity_tokens)
+
+    return _engine_state("prompt_kv", vllm_config, layer_names, make)
+
+
+def exact_prefill(knobs: KvQuantKnobs, device: torch.device) -> bool:
+    """Whether prefill chunks attend to their own unquantized K/V (``prefill_kv`` resolved
+    for the kernel ``kernel: auto`` picks on ``device``)."""
+    kernel = resolve_backend("auto", device) if knobs.kernel == "auto" else knobs.kernel
+    return resolve_prefill_kv(knobs.prefill_kv, kernel) == "exact"
+
+
+def prefill_min_rows(vllm_config: Any) -> int:
+    """The fewest rows a step of a sequence has to be a prefill chunk: a decode row is one,
+    a draft verification ``1 + k``."""
+    spec = vllm_config.speculative_config if vllm_config is not None else None
+    return 2 + (spec.num_speculative_tokens if spec is not None else 0)
 
 
 class KiviMetadataBuilder(AttentionMetadataBuilder[KiviAttentionMetadata]):
@@ -315,13 +364,19 @@ class KiviMetadataBuilder(AttentionMetadataBuilder[KiviAttentionMetadata]):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.kv_cache_spec = kv_cache_spec
         self.tail_pool: TailPool | None = None
+        self.prompt_buffer: PromptKvBuffer | None = None
+        self.prefill_min_rows = prefill_min_rows(vllm_config)
         knobs = load_knobs(vllm_config.additional_config)
         if knobs.residual == "tail":
+            self.tail_pool = tail_pool_for(kv_cache_spec, layer_names, vllm_config, device,
+                                           knobs.key_group)
+        if knobs.prompt_exact_tokens and exact_prefill(knobs, device):
+            self.prompt_buffer = prompt_buffer_for(kv_cache_spec, layer_names, vllm_config,
+                                                   knobs.prompt_exact_tokens)
+        if self.tail_pool is not None or self.prompt_buffer is not None:
             from vllm_accel._patches import attention_step_requests
 
             attention_step_requests.enable()
-            self.tail_pool = tail_pool_for(kv_cache_spec, layer_names, vllm_config, device,
-                                           knobs.key_group)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> KiviAttentionMetadata:
@@ -334,6 +389,12 @@ class KiviMetadataBuilder(AttentionMetadataBuilder[KiviAttentionMetadata]):
                 step_requests.row_req_ids(cm.num_reqs), step_requests.live_req_ids(),
                 cm.query_start_loc, cm.seq_lens, int(cm.query_start_loc_cpu[-1]),
                 padded_tokens=max(cm.num_actual_tokens, cm.slot_mapping.shape[0]))
+        prompt_kv = None
+        if self.prompt_buffer is not None:
+            prompt_kv = self.prompt_buffer.plan(
+                step_requests.row_req_ids(cm.num_reqs), step_requests.live_req_ids(),
+                cm.query_start_loc_cpu.tolist(), cm.seq_lens.cpu().tolist(),
+                step_requests.prompt_lens(cm.num_reqs).tolist(), self.prefill_min_rows)
         return KiviAttentionMetadata(
             num_actual_tokens=cm.num_actual_tokens,
             max_query_len=cm.max_query_len,
@@ -345,6 +406,7 @@ class KiviMetadataBuilder(AttentionMetadataBuilder[KiviAttentionMetadata]):
             tail_pool=self.tail_pool,
             tail_mapping=tail_mapping,
             tail_index=tail_index,
+            prompt_kv=prompt_kv,
         )
 
 
@@ -411,8 +473,7 @@ class KiviAttentionImpl(AttentionImpl):
                              f"by the Triton kernel yet; supported with it: auto, cache (or "
                              f"set vllm_accel.kv_quant.kernel to torch)")
         self.exact_prefill = prefill_kv == "exact"
-        spec = config.speculative_config if config is not None else None
-        self.prefill_min_rows = 2 + (spec.num_speculative_tokens if spec is not None else 0)
+        self.prefill_min_rows = prefill_min_rows(config)
         if (self.kernel, self.exact_prefill) not in _LOGGED_KERNELS:
             _LOGGED_KERNELS.add((self.kernel, self.exact_prefill))
             why = ""
@@ -484,6 +545,7 @@ class KiviAttentionImpl(AttentionImpl):
         k_tail = None
         if layout.residual == "tail":
             k_tail = attn_metadata.tail_pool.layer(layer.layer_name)
+        prompt_kv = attn_metadata.prompt_kv if self.exact_prefill else None
         kivi_paged_attention(
             query[:n], kv_cache, attn_metadata.block_table, attn_metadata.seq_lens,
             attn_metadata.query_start_loc, self.scale, layout,
@@ -492,5 +554,8 @@ class KiviAttentionImpl(AttentionImpl):
             k_tail=k_tail, tail_index=attn_metadata.tail_index,
             chunk_kv=(key[:n], value[:n]) if self.exact_prefill else None,
             chunk_kv_min_rows=self.prefill_min_rows,
+            context_kv=prompt_kv.context(layer.layer_name) if prompt_kv is not None else None,
         )
+        if prompt_kv is not None:
+            prompt_kv.store(layer.layer_name, key[:n], value[:n])
         return output

@@ -32,6 +32,13 @@ only say how it runs::
 Decode rows, and draft-verification rows with ``--speculative-config``, read everything from
 the cache in both modes.
 
+``prompt_exact_tokens`` (8192; 0 = off), with ``exact``: how many prompt tokens, over all
+requests, keep an unquantized copy between the steps of a prefill that chunked prefill splits,
+so a prompt's later steps read its earlier ones unquantized, as one-step prefill would
+(:mod:`vllm_accel.kv_quant.prompt_kv`). Held outside vLLM's KV-cache budget, at most
+``prompt_exact_tokens * layers * kv_heads * head_size * 2`` elements in the model dtype
+(logged at start-up), and only while a prompt is being prefilled.
+
 Three knobs change the page format itself (the bytes per token vLLM budgets follow them; see
 :mod:`vllm_accel.kernels.kivi_format` for the layout):
 
@@ -71,12 +78,15 @@ class KvQuantKnobs:
     unquantized K/V; ``cache``: the quantized cache; ``auto``: cache with the Triton kernel,
     exact otherwise;
     see the module doc).
+    ``prompt_exact_tokens``: prompt tokens (all requests) kept unquantized between prefill
+    steps for the prompt's later steps to read (``exact`` only; 0: off).
     ``key_group``, ``value_group`` (0: the head size), ``sink_tokens``: the page format's key
     group (tokens), value group (channels) and full-precision sink slots per page."""
 
     kernel: str = "auto"
     residual: str = "tail"
     prefill_kv: str = "auto"
+    prompt_exact_tokens: int = 8192
     key_group: int = 64
     value_group: int = 0
     sink_tokens: int = 0
@@ -89,6 +99,8 @@ class KvQuantKnobs:
             problems["residual"] = f"must be one of {', '.join(RESIDUALS)}"
         if self.prefill_kv not in PREFILL_KV:
             problems["prefill_kv"] = f"must be one of {', '.join(PREFILL_KV)}"
+        if self.prompt_exact_tokens < 0:
+            problems["prompt_exact_tokens"] = "must be >= 0 (0 turns the buffer off)"
         if self.key_group not in ALLOWED_KEY_GROUPS:
             problems["key_group"] = f"must be one of {', '.join(map(str, ALLOWED_KEY_GROUPS))}"
         if self.value_group < 0 or self.value_group % 8 != 0:

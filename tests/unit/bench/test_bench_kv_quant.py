@@ -40,6 +40,23 @@ def test_no_pool_for_bf16_page_residual_or_two_entries_with_drafts(tmp_path):
     assert two == 2 * one
 
 
+def test_prompt_buffer_bytes_follow_the_knob_and_the_prefill_mode(tmp_path):
+    """The most the exact prompt buffer holds: 8192 tokens of K and V in every layer by
+    default; nothing with ``prefill_kv: cache``, ``prompt_exact_tokens: 0`` or a bf16 cache."""
+    def knobs(**kv_quant_knobs):
+        return kv_quant.engine_extra("kivi_4bit", knobs=kv_quant_knobs)
+
+    head_size = HIDDEN // HEADS
+    assert kv_quant.prompt_buffer_bytes(_engine(tmp_path)) == (
+        8192 * LAYERS * KV_HEADS * head_size * 2 * torch.bfloat16.itemsize)
+    assert kv_quant.prompt_buffer_bytes(_engine(tmp_path, **{**knobs(prompt_exact_tokens=64),
+                                                             "dtype": "float32"})) == (
+        64 * LAYERS * KV_HEADS * head_size * 2 * 4)
+    for off in (knobs(prefill_kv="cache"), knobs(prompt_exact_tokens=0),
+                {"kv_cache_dtype": "auto"}):
+        assert kv_quant.prompt_buffer_bytes(_engine(tmp_path, **off)) == 0
+
+
 def test_report_counts_the_pool_in_the_bytes_per_token(tmp_path):
     base = {"engine": {"kv_cache_memory_bytes": kv_quant.KV_CACHE_BYTES},
             "num_kv_blocks": 100, "block_size": 128}
@@ -49,6 +66,7 @@ def test_report_counts_the_pool_in_the_bytes_per_token(tmp_path):
     assert ratios["kv_capacity_ratio"] == 3.5
     assert ratios["kv_bytes_per_token_quant"] == kv_quant.KV_CACHE_BYTES / (350 * 128)
     assert ratios["tail_pool_bytes"] == kv_quant.KV_CACHE_BYTES - engine["kv_cache_memory_bytes"]
+    assert ratios["prompt_buffer_bytes"] == kv_quant.prompt_buffer_bytes(engine) > 0
 
 
 @pytest.mark.parametrize("prefill_kv", [None, "cache"])

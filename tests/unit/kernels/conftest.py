@@ -109,9 +109,10 @@ def dense_causal_attention(batch: PagedBatch, scale=None) -> torch.Tensor:
     return out
 
 
-def filled_kivi_cache(layout, seq_lens, hkv, seed=0):
+def filled_kivi_cache(layout, seq_lens, hkv, seed=0, kv=None):
     """Sequences written token by token-chunks into scattered pages; returns cache, tail,
-    block table and the tail index of each sequence."""
+    block table and the tail index of each sequence. ``kv``: the sequences' keys and values
+    ``[sum(seq_lens), hkv, D]`` (default: random, with an outlier key channel)."""
     gen = torch.Generator().manual_seed(seed)
     n = layout.block_size
     pages_per_seq = [-(-s // n) for s in seq_lens]
@@ -129,9 +130,12 @@ def filled_kivi_cache(layout, seq_lens, hkv, seed=0):
     tail_mapping, tail_index = tail_entries(qsl, lens, layout.key_group)
     slots = torch.cat([table[i, torch.arange(s) // n].long() * n + torch.arange(s) % n
                        for i, s in enumerate(seq_lens)])
-    k = torch.randn(int(qsl[-1]), hkv, layout.head_size, generator=gen)
-    k[:, :, 3] *= 8  # an outlier channel
-    v = torch.randn(int(qsl[-1]), hkv, layout.head_size, generator=gen)
+    if kv is None:
+        k = torch.randn(int(qsl[-1]), hkv, layout.head_size, generator=gen)
+        k[:, :, 3] *= 8  # an outlier channel
+        v = torch.randn(int(qsl[-1]), hkv, layout.head_size, generator=gen)
+    else:
+        k, v = kv
     quantize_on_write(k.bfloat16(), v.bfloat16(), cache, slots, layout,
                       **({"k_tail": tail, "tail_mapping": tail_mapping}
                          if layout.residual == "tail" else {}))

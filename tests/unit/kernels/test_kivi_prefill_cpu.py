@@ -123,3 +123,59 @@ def test_mixed_batch_with_chunk_kv_native_equals_reference():
     torch.testing.assert_close(native, ref, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(ref[:3], cached[:3])
     assert (ref[3:] - cached[3:]).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("exact_ctx", [0, 37, 170])
+@pytest.mark.parametrize("backend", ["torch", "native"])
+def test_context_kv_makes_a_later_chunk_read_earlier_chunks_unquantized(exact_ctx, backend):
+    """A prompt of 300 tokens whose last 130 are this step: with ``context_kv`` holding the
+    unquantized K/V of the last ``exact_ctx`` context positions (the earlier steps of the same
+    prompt) the chunk attends to exactly those, to the cache for the positions before them;
+    with the whole context given it equals attention over the unquantized prompt."""
+    if backend == "native" and not HAS_NATIVE:
+        pytest.skip("vllm_accel._C_kivi is not built")
+    layout = KiviLayout(4, 4, head_size=64, block_size=128, key_group=64, dtype=torch.float32)
+    seq_len, lq, hq, hkv = 300, 130, 6, 2
+    ctx = seq_len - lq
+    gen = torch.Generator().manual_seed(21)
+    k_all, v_all = torch.randn(seq_len, hkv, 64, generator=gen), torch.randn(seq_len, hkv, 64,
+                                                                            generator=gen)
+    cache, tail, table, tail_index = filled_kivi_cache(layout, [seq_len], hkv, seed=8,
+                                                       kv=(k_all, v_all))
+    q = torch.randn(lq, hq, 64, generator=gen)
+    context = (k_all[ctx - exact_ctx:ctx], v_all[ctx - exact_ctx:ctx])
+    got = kivi_paged_attention(
+        q, cache, table, torch.tensor([seq_len]), torch.tensor([0, lq]), 0.125, layout,
+        k_tail=tail, tail_index=tail_index, backend=backend, out=torch.zeros(q.shape),
+        chunk_kv=(k_all[ctx:], v_all[ctx:]), context_kv=[context])
+    from vllm_accel.kernels.kivi_cache import gather_sequence_kv
+
+    k, v = gather_sequence_kv(cache, table[0], seq_len, layout, k_tail=tail,
+                              tail_entry=int(tail_index[0]))
+    exact_from = ctx - exact_ctx
+    k[exact_from:], v[exact_from:] = k_all[exact_from:], v_all[exact_from:]
+    mask = torch.arange(seq_len)[None, :] <= torch.arange(ctx, seq_len)[:, None]
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=0.125,
+        enable_gqa=True).transpose(0, 1)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    if exact_ctx == ctx:  # the whole prompt unquantized
+        unquantized = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), k_all.transpose(0, 1), v_all.transpose(0, 1), attn_mask=mask,
+            scale=0.125, enable_gqa=True).transpose(0, 1)
+        torch.testing.assert_close(got, unquantized, atol=2e-5, rtol=1e-5)
+
+
+def test_context_kv_needs_chunk_kv_and_fitting_shapes():
+    layout = KiviLayout(4, 4, head_size=64, block_size=128, key_group=64, dtype=torch.float32)
+    cache, tail, table, tail_index = filled_kivi_cache(layout, [300], 2, seed=8)
+    q, own = torch.randn(130, 2, 64), (torch.randn(130, 2, 64), torch.randn(130, 2, 64))
+    kw = {"k_tail": tail, "tail_entry": int(tail_index[0])}
+    with pytest.raises(ValueError, match="context_kv needs chunk_kv"):
+        prefill_attention(q, cache, table[0], 300, 0.125, layout, context_kv=own, **kw)
+    with pytest.raises(ValueError, match="exact context rows for a context of 170"):
+        prefill_attention(q, cache, table[0], 300, 0.125, layout, chunk_kv=own,
+                          context_kv=(torch.randn(171, 2, 64), torch.randn(171, 2, 64)), **kw)
+    with pytest.raises(ValueError, match="context_kv must be two"):
+        prefill_attention(q, cache, table[0], 300, 0.125, layout, chunk_kv=own,
+                          context_kv=(torch.randn(10, 1, 64), torch.randn(10, 1, 64)), **kw)

@@ -111,7 +111,7 @@ def test_builder_and_impl_run_a_mixed_step_on_the_triton_kernels(monkeypatch, re
 
     # the patch publishes the runner's rows; here the test publishes them itself
     monkeypatch.setattr(attention_step_requests, "enable", lambda: None)
-    monkeypatch.setattr(kivi_backend, "_POOLS", {})  # this engine's pools only
+    monkeypatch.setattr(kivi_backend, "_ENGINE_STATE", {})  # this engine's pools only
     spec = FullAttentionSpec(block_size=N, num_kv_heads=H_KV, head_size=D, dtype=torch.uint8)
     builder = Kivi4BitBackend.get_builder_cls()(spec, ["L0"], config, torch.device("cpu"))
     impl = Kivi4BitBackend.get_impl_cls()(H_Q, D, D**-0.5, H_KV, None, None, "kivi_4bit")
