@@ -89,14 +89,15 @@ def residual_pool_bytes(engine: dict[str, Any]) -> int:
 def prompt_buffer_bytes(engine: dict[str, Any]) -> int:
     """The most bytes the KIVI exact prompt buffer of a CPU engine holds (0 when off): it
     holds them only while a prompt longer than one prefill step is being prefilled."""
+    import torch
+
     from vllm_accel.kernels.kivi_format import PRESETS
-    from vllm_accel.kv_quant.config import load_knobs, resolve_prefill_kv
+    from vllm_accel.kv_quant.config import exact_prefill, load_knobs
     from vllm_accel.kv_quant.prompt_kv import buffer_bytes
 
     knobs = load_knobs(engine.get("additional_config"))
-    kernel = "torch" if knobs.kernel == "auto" else knobs.kernel  # the bench runs on the CPU
     if (engine.get("kv_cache_dtype", "auto") not in PRESETS or not knobs.prompt_exact_tokens
-            or resolve_prefill_kv(knobs.prefill_kv, kernel) != "exact"):
+            or not exact_prefill(knobs, torch.device("cpu"))):  # the bench runs on the CPU
         return 0
     return buffer_bytes(capacity_tokens=knobs.prompt_exact_tokens, **_model_kv_shape(engine))
 

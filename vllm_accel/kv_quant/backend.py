@@ -61,7 +61,12 @@ from vllm_accel.attention.registry import KV_CACHE_DTYPE_BACKENDS
 from vllm_accel.kernels.kivi_attention import kivi_paged_attention
 from vllm_accel.kernels.kivi_cache import quantize_on_write, resolve_backend
 from vllm_accel.kernels.kivi_format import ALLOWED_DTYPES, KiviLayout
-from vllm_accel.kv_quant.config import KvQuantKnobs, load_knobs, resolve_prefill_kv
+from vllm_accel.kv_quant.config import (
+    KvQuantKnobs,
+    exact_prefill,
+    load_knobs,
+    resolve_prefill_kv,
+)
 from vllm_accel.kv_quant.prompt_kv import PromptKvBuffer, PromptKvStep, buffer_bytes
 from vllm_accel.kv_quant.tail_pool import TailPool, entries_per_request
 from vllm_accel.log import get_logger
@@ -341,13 +346,6 @@ def prompt_buffer_for(kv_cache_spec: AttentionSpec, layer_names: list[str], vllm
     return _engine_state("prompt_kv", vllm_config, layer_names, make)
 
 
-def exact_prefill(knobs: KvQuantKnobs, device: torch.device) -> bool:
-    """Whether prefill chunks attend to their own unquantized K/V (``prefill_kv`` resolved
-    for the kernel ``kernel: auto`` picks on ``device``)."""
-    kernel = resolve_backend("auto", device) if knobs.kernel == "auto" else knobs.kernel
-    return resolve_prefill_kv(knobs.prefill_kv, kernel) == "exact"
-
-
 def prefill_min_rows(vllm_config: Any) -> int:
     """The fewest rows a step of a sequence has to be a prefill chunk: a decode row is one,
     a draft verification ``1 + k``."""
@@ -383,16 +381,18 @@ class KiviMetadataBuilder(AttentionMetadataBuilder[KiviAttentionMetadata]):
         cm = common_attn_metadata
         if cm.causal is not True:
             raise ValueError("KIVI attention supports causal decoder attention only")
-        tail_mapping = tail_index = None
+        tail_mapping = tail_index = prompt_kv = None
+        if self.tail_pool is not None or self.prompt_buffer is not None:
+            row_req_ids = step_requests.row_req_ids(cm.num_reqs)
+            live_req_ids = step_requests.live_req_ids()
         if self.tail_pool is not None:
             tail_mapping, tail_index = self.tail_pool.step(
-                step_requests.row_req_ids(cm.num_reqs), step_requests.live_req_ids(),
+                row_req_ids, live_req_ids,
                 cm.query_start_loc, cm.seq_lens, int(cm.query_start_loc_cpu[-1]),
                 padded_tokens=max(cm.num_actual_tokens, cm.slot_mapping.shape[0]))
-        prompt_kv = None
         if self.prompt_buffer is not None:
             prompt_kv = self.prompt_buffer.plan(
-                step_requests.row_req_ids(cm.num_reqs), step_requests.live_req_ids(),
+                row_req_ids, live_req_ids,
                 cm.query_start_loc_cpu.tolist(), cm.seq_lens.cpu().tolist(),
                 step_requests.prompt_lens(cm.num_reqs).tolist(), self.prefill_min_rows)
         return KiviAttentionMetadata(

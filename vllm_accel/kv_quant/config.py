@@ -55,9 +55,13 @@ Three knobs change the page format itself (the bytes per token vLLM budgets foll
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from vllm_accel.config import register_section
 from vllm_accel.kernels.kivi_format import ALLOWED_KEY_GROUPS, MAX_SINK_TOKENS
+
+if TYPE_CHECKING:
+    import torch
 
 SECTION = "kv_quant"
 KERNELS = ("auto", "torch", "triton", "native")
@@ -125,3 +129,12 @@ def resolve_prefill_kv(prefill_kv: str, kernel: str) -> str:
     if prefill_kv == "auto":
         return "cache" if kernel == "triton" else "exact"
     return prefill_kv
+
+
+def exact_prefill(knobs: KvQuantKnobs, device: torch.device) -> bool:
+    """Whether prefill chunks attend to their own unquantized K/V (``prefill_kv`` resolved
+    for the kernel ``kernel: auto`` picks on ``device``)."""
+    from vllm_accel.kernels.kivi_cache import resolve_backend
+
+    kernel = resolve_backend("auto", device) if knobs.kernel == "auto" else knobs.kernel
+    return resolve_prefill_kv(knobs.prefill_kv, kernel) == "exact"

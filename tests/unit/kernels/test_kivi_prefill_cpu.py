@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from vllm_accel.kernels.kivi_attention import kivi_paged_attention
+from vllm_accel.kernels.kivi_cache import gather_sequence_kv
 from vllm_accel.kernels.kivi_cpu import HAS_NATIVE
 from vllm_accel.kernels.kivi_format import KiviLayout
 from vllm_accel.kernels.kivi_prefill_cpu import merge_attention_parts, prefill_attention
@@ -68,8 +69,6 @@ def test_chunk_kv_replaces_only_the_chunks_own_positions():
     k_own, v_own = torch.randn(lq, hkv, 64, generator=gen), torch.randn(lq, hkv, 64, generator=gen)
     got = prefill_attention(q, cache, table[0], seq_len, 0.125, layout, k_tail=tail,
                             tail_entry=int(tail_index[0]), chunk_kv=(k_own, v_own))
-    from vllm_accel.kernels.kivi_cache import gather_sequence_kv
-
     k, v = gather_sequence_kv(cache, table[0], seq_len, layout, k_tail=tail,
                               tail_entry=int(tail_index[0]))
     k[seq_len - lq:], v[seq_len - lq:] = k_own, v_own
@@ -148,8 +147,6 @@ def test_context_kv_makes_a_later_chunk_read_earlier_chunks_unquantized(exact_ct
         q, cache, table, torch.tensor([seq_len]), torch.tensor([0, lq]), 0.125, layout,
         k_tail=tail, tail_index=tail_index, backend=backend, out=torch.zeros(q.shape),
         chunk_kv=(k_all[ctx:], v_all[ctx:]), context_kv=[context])
-    from vllm_accel.kernels.kivi_cache import gather_sequence_kv
-
     k, v = gather_sequence_kv(cache, table[0], seq_len, layout, k_tail=tail,
                               tail_entry=int(tail_index[0]))
     exact_from = ctx - exact_ctx
