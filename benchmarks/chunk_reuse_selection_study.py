@@ -24,6 +24,9 @@ Usage (about 10 s per question and mode for Qwen2.5-Coder-0.5B on 2 cores)::
     python benchmarks/chunk_reuse_selection_study.py --modes all,none,query,facts \\
         --questions 16 --seed 0
 
+``--coverage`` adds, per answer, how many of the first 16 tokens of each answer document's fact
+sentence the mode recomputed.
+
 The modes replace the connector's ``_query_choice`` (the engine runs with ``recompute=query``),
 so every mode goes through the same load, re-rotation and recompute path.
 """
@@ -47,13 +50,20 @@ _query_choice = connector_mod.ChunkReuseConnector._query_choice
 
 
 def _choice(self, model, layers, block_table, req, forced, loaded):
+    chosen = _mode_choice(self, model, layers, block_table, req, forced, loaded)
+    _STATE["chosen"] = set(chosen)
+    return chosen
+
+
+def _mode_choice(self, model, layers, block_table, req, forced, loaded):
     mode, spans = _STATE["mode"], _STATE["spans"]
     if "+" in mode:  # the union of the parts' choices
         chosen = set()
         for part in mode.split("+"):
             _STATE["mode"] = part
             try:
-                chosen |= set(_choice(self, model, layers, block_table, req, forced, loaded))
+                chosen |= set(_mode_choice(self, model, layers, block_table, req, forced,
+                                           loaded))
             finally:
                 _STATE["mode"] = mode
         return sorted(chosen)
@@ -171,6 +181,17 @@ def _digit_margin(tokenizer, output) -> float:
     return min(margins)
 
 
+def _fact_coverage() -> str:
+    """How much of each answer document's fact sentence (its first 16 tokens: the name, then
+    the code's digits) the mode recomputed, e.g. ``facts 9/16,16/16``."""
+    chosen = _STATE.get("chosen", set())
+    parts = []
+    for j in _STATE["targets"]:
+        f = _STATE["facts"][j]
+        parts.append(f"{sum(p in chosen for p in range(f, f + 16))}/16")
+    return "facts " + ",".join(parts)
+
+
 def _fact_offset(tokenizer, ids: list[int]) -> int:
     for k in range(len(ids)):
         if tokenizer.decode(ids[k:k + 6]).strip().startswith("The access code"):
@@ -185,6 +206,9 @@ def main() -> None:
     parser.add_argument("--questions", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    parser.add_argument("--coverage", action="store_true",
+                        help="print how much of each answer document's fact sentence every "
+                             "mode recomputed")
     args = parser.parse_args()
     modes = args.modes.split(",")
 
@@ -218,13 +242,14 @@ def main() -> None:
                       targets=[q.order.index(t) for t in q.targets])
         line = []
         for mode in modes:
-            _STATE["mode"] = mode
+            _STATE.update(mode=mode, chosen=set())
             output = llm.generate([{"prompt_token_ids": prompt}], greedy,
                                   use_tqdm=False)[0].outputs[0]
             ok = workload.score(q.expected, output.text)
             right[mode] += ok
             line.append(f"{mode}:{'Y' if ok else 'n'} {output.text.strip()[:14]!r} "
-                        f"m={_digit_margin(tokenizer, output):.2f}")
+                        f"m={_digit_margin(tokenizer, output):.2f}"
+                        + (f" {_fact_coverage()}" if args.coverage else ""))
         print(f"{q.expected} at {_STATE['targets']}: " + "  ".join(line), flush=True)
     print("right answers of", len(work.questions), right)
 
