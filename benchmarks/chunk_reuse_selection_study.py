@@ -9,6 +9,8 @@ per *selection mode*, a mode being the set of reused tokens recomputed in every 
 * ``query`` / ``query@R`` / ``query@R/wW`` — the connector's ``recompute=query`` choice at
   ``recompute_ratio`` R (default 0.15) and ``query_window`` W (default 4);
 * ``query@R/wB:F`` — the same with ``B`` neighbours before each ranked token and ``F`` after;
+* ``query@R/dN`` (also after ``/wW``) — ``query`` whose probe also drafts ``N`` answer tokens
+  (``query_draft_tokens``);
 * ``queryrr`` / ``queryrr@R`` — the ``query`` ranking dealt out across documents (each
   document's best token first, then each one's second best, ...);
 * ``query2`` / ``query2@R`` — two rounds: half the budget chosen by the probe and recomputed,
@@ -24,6 +26,8 @@ Usage (about 10 s per question and mode for Qwen2.5-Coder-0.5B on 2 cores)::
     python benchmarks/chunk_reuse_selection_study.py --modes all,none,query,facts \\
         --questions 16 --seed 0
 
+At the end it prints each mode's right answers and its median time choosing the tokens (the
+probe included; the modes run in the same engine, one after the other, so these compare).
 ``--coverage`` adds, per answer, how many of the first 16 tokens of each answer document's fact
 sentence the mode recomputed.
 
@@ -37,6 +41,8 @@ import argparse
 import dataclasses
 import math
 import os
+import statistics
+import time
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the worker in this process
 
@@ -53,7 +59,9 @@ _query_choice = connector_mod.ChunkReuseConnector._query_choice
 
 
 def _choice(self, model, layers, block_table, req, forced, loaded):
+    start = time.perf_counter()
     chosen = _mode_choice(self, model, layers, block_table, req, forced, loaded)
+    _STATE["choice_seconds"].setdefault(_STATE["mode"], []).append(time.perf_counter() - start)
     _STATE["chosen"] = set(chosen)
     return chosen
 
@@ -73,6 +81,8 @@ def _mode_choice(self, model, layers, block_table, req, forced, loaded):
     allowed = set(loaded)
     if mode.startswith("query"):
         name, _, setting = mode.partition("@")
+        setting, _, draft = setting.partition("/d")
+        _STATE["draft"] = int(draft or self.config.query_draft_tokens)
         ratio_text, _, window = setting.partition("/w")
         ratio = float(ratio_text or self.config.recompute_ratio)
         window, _, after = window.partition(":")
@@ -110,8 +120,9 @@ def _query_with(self, model, layers, block_table, req, forced, loaded, ratio, wi
                 windows=None):
     """The connector's ``query`` choice at ``ratio`` and ``window``; with ``windows``, that
     function stands in for the planner's ``windows_by_rank`` (same arguments)."""
-    saved, self.config = self.config, dataclasses.replace(self.config, recompute_ratio=ratio,
-                                                          query_window=window)
+    saved, self.config = self.config, dataclasses.replace(
+        self.config, recompute_ratio=ratio, query_window=window,
+        query_draft_tokens=_STATE["draft"])
     original = connector_mod.windows_by_rank
     connector_mod.windows_by_rank = windows or original
     try:
@@ -228,10 +239,11 @@ def main() -> None:
                   "kv_connector": "ChunkReuseConnector",
                   "kv_connector_module_path": "vllm_accel.kv_connector", "kv_role": "kv_both",
                   "kv_connector_extra_config": {"recompute": "query", "log_interval_s": 600}})
-    _STATE.update(mode="none", spans=[], facts=[], targets=[])
+    _STATE.update(mode="none", spans=[], facts=[], targets=[], choice_seconds={})
     for prompt in work.warmup:  # fills the store
         llm.generate([{"prompt_token_ids": list(prompt)}], SamplingParams(max_tokens=1),
                      use_tqdm=False)
+    _STATE["choice_seconds"].clear()
     facts = [_fact_offset(tokenizer, list(d.token_ids)) for d in work.documents]
     greedy = SamplingParams(max_tokens=16, temperature=0, logprobs=2)
     right = dict.fromkeys(modes, 0)
@@ -253,6 +265,9 @@ def main() -> None:
                         + (f" {_fact_coverage()}" if args.coverage else ""))
         print(f"{q.expected} at {_STATE['targets']}: " + "  ".join(line), flush=True)
     print("right answers of", len(work.questions), right)
+    print("median seconds choosing (probe included), per request:",
+          {mode: round(statistics.median(_STATE["choice_seconds"].get(mode, [0.0])), 3)
+           for mode in modes})
 
 
 if __name__ == "__main__":

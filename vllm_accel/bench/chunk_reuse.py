@@ -83,6 +83,7 @@ class ChunkReusePlan:
     epic_tokens: int = 16
     recompute_ratio: float = 0.15
     query_window: int = 4
+    query_draft_tokens: int = 0
     min_reuse_tokens: int = 64
     #: APE knobs of the ``ape`` and ``epic_ape`` sides.
     attention_temperature: float = 0.5
@@ -118,6 +119,7 @@ FULL = ChunkReusePlan(num_chunks=(4, 8, 10), chunk_tokens=1024, questions=8,
 def connector_config(policy: str, plan: ChunkReusePlan, ape: bool = False) -> dict[str, Any]:
     extra = {"recompute": policy, "stores": list(plan.stores), "epic_tokens": plan.epic_tokens,
              "recompute_ratio": plan.recompute_ratio, "query_window": plan.query_window,
+             "query_draft_tokens": plan.query_draft_tokens if policy == "query" else 0,
              "min_reuse_tokens": plan.min_reuse_tokens,
              "save_new_chunks": True,
              # the side reads the last counters line of its log: log every step that loads or

@@ -126,84 +126,124 @@ class _PagedRowAttention(_PagedStandIn):
 
 
 class _ProbeAttention(_PagedStandIn):
-    """Stands in for a layer's ``attn`` module while query rows probe the pages: the rows (the
-    contiguous positions ``first .. first+n-1``) attend to the page keys ``[0, first)`` that are
-    ``key_valid`` and causally to each other's fresh K/V; nothing is written. With
-    ``score_rows`` (bool per row), ``peak`` gets, per page position, the largest attention
-    probability any head gives it from those rows."""
+    """Stands in for a layer's ``attn`` module while query rows probe the pages: the rows attend
+    to the page keys ``[0, first)`` that are ``key_valid``, to the rows of earlier calls (kept
+    here, never written to the pages) and causally to each other; calls continue the positions
+    ``first, first+1, ...``, ``capacity`` rows in all. The pages are gathered once, on the first
+    call, and kept with the rows until :meth:`release`. With ``score_rows`` (bool per row of
+    each call), ``peak`` gets, per page position, the largest attention probability any head
+    gives it from those rows."""
 
     def __init__(self, attn: nn.Module, paged: PagedLayerKV, block_table: torch.Tensor,
-                 key_valid: torch.Tensor, score_rows: torch.Tensor | None):
+                 key_valid: torch.Tensor, capacity: int):
         super().__init__(attn, paged, block_table)
-        self.key_valid, self.score_rows = key_valid, score_rows
+        self.key_valid, self.score_rows, self.capacity = key_valid, None, capacity
         self.peak = torch.zeros(key_valid.numel(), dtype=torch.float32, device=key_valid.device)
+        self.keys: torch.Tensor | None = None  # [first + capacity, H_kv, D]: pages, then rows
+        self.values: torch.Tensor | None = None
+        self.earlier = 0  # rows of earlier calls
+
+    def release(self) -> None:
+        self.keys = self.values = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         n, d, first = q.shape[0], self.head_size, self.key_valid.numel()
-        page_k, page_v = self.paged.read(self.block_table,
-                                         torch.arange(first, device=q.device))
-        keys = torch.cat([page_k.to(k.dtype), k.view(n, self.num_kv_heads, d)])
-        values = torch.cat([page_v.to(v.dtype), v.view(n, self.num_kv_heads, d)])
+        if self.keys is None:
+            page_k, page_v = self.paged.read(self.block_table,
+                                             torch.arange(first, device=q.device))
+            shape = (first + self.capacity, self.num_kv_heads, d)
+            self.keys, self.values = k.new_empty(shape), v.new_empty(shape)
+            self.keys[:first], self.values[:first] = page_k, page_v
+        earlier, end = self.earlier, first + self.earlier + n
+        self.keys[first + earlier:end] = k.view(n, self.num_kv_heads, d)
+        self.values[first + earlier:end] = v.view(n, self.num_kv_heads, d)
+        self.earlier += n
+        keys, values = self.keys[:end], self.values[:end]
         q = q.view(n, self.num_heads, d)
-        rows = torch.arange(n, device=q.device)
+        rows = torch.arange(earlier + n, device=q.device)
         out = torch.empty_like(q)
         for lo in range(0, n, _PROBE_ROWS_PER_SDPA):
             hi = min(n, lo + _PROBE_ROWS_PER_SDPA)
             visible = torch.cat([self.key_valid[None, :].expand(hi - lo, first),
-                                 rows[None, :] <= rows[lo:hi, None]], dim=1)
-            out[lo:hi] = F.scaled_dot_product_attention(
-                q[lo:hi].transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
-                values.transpose(0, 1).unsqueeze(0), attn_mask=visible[None, None],
-                scale=self.scale, enable_gqa=True)[0].transpose(0, 1)
-            if self.score_rows is not None and self.score_rows[lo:hi].any():
-                self._score(q[lo:hi][self.score_rows[lo:hi]], keys,
-                            visible[self.score_rows[lo:hi]])
+                                 rows[None, :] <= rows[earlier + lo:earlier + hi, None]], dim=1)
+            if self.score_rows is None:
+                out[lo:hi] = F.scaled_dot_product_attention(
+                    q[lo:hi].transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
+                    values.transpose(0, 1).unsqueeze(0), attn_mask=visible[None, None],
+                    scale=self.scale, enable_gqa=True)[0].transpose(0, 1)
+            else:
+                out[lo:hi] = self._attend_and_score(q[lo:hi], keys, values, visible,
+                                                    self.score_rows[lo:hi])
         return out.reshape(n, self.num_heads * d)
 
-    def _score(self, q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor) -> None:
-        """Raise ``peak`` to the attention probabilities the rows ``q`` give the page keys
-        (float32 logits, ``_PROBE_ROWS_PER_BLOCK`` rows at a time)."""
-        first, group = self.key_valid.numel(), self.num_heads // self.num_kv_heads
-        keys = keys.float()
+    def _attend_and_score(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                          visible: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
+        """The rows' attention output from explicit float32 probabilities
+        (``_PROBE_ROWS_PER_BLOCK`` rows at a time), raising ``peak`` to the probabilities the
+        ``scored`` rows give the page keys."""
+        n, first, group = q.shape[0], self.key_valid.numel(), self.num_heads // self.num_kv_heads
+        keys, values = keys.float(), values.float()
         # query head h * group + g reads kv head h (GQA), without copying keys per query head
-        q = q.view(-1, self.num_kv_heads, group, self.head_size).float()
-        for lo in range(0, q.shape[0], _PROBE_ROWS_PER_BLOCK):
-            hi = min(q.shape[0], lo + _PROBE_ROWS_PER_BLOCK)
+        q = q.reshape(n, self.num_kv_heads, group, self.head_size).float()
+        out = torch.empty_like(q)
+        for lo in range(0, n, _PROBE_ROWS_PER_BLOCK):
+            hi = min(n, lo + _PROBE_ROWS_PER_BLOCK)
             logits = torch.einsum("nhgd,khd->hgnk", q[lo:hi], keys) * self.scale
             probs = logits.masked_fill(~visible[lo:hi], float("-inf")).softmax(dim=-1)
-            self.peak = torch.maximum(self.peak, probs[..., :first].amax(dim=(0, 1, 2)))
+            if scored[lo:hi].any():
+                peak = probs[:, :, scored[lo:hi], :first].amax(dim=(0, 1, 2))
+                self.peak = torch.maximum(self.peak, peak)
+            out[lo:hi] = torch.einsum("hgnk,khd->nhgd", probs, values)
+        return out.view(n, self.num_heads, self.head_size)
 
 
 def question_attention_peaks(model: nn.Module, layers_kv: list[PagedLayerKV],
                              block_table: torch.Tensor, token_ids: torch.Tensor,
                              key_valid: torch.Tensor, score_from: int,
-                             first_scored_layer: int) -> tuple[torch.Tensor, int]:
+                             first_scored_layer: int, draft_tokens: int = 0
+                             ) -> tuple[torch.Tensor, int]:
     """Probe the pages with the prompt's uncached suffix: ``token_ids`` at positions ``first,
     first+1, ...`` (``first = key_valid.numel()``) run every decoder layer attending to the
     valid page keys ``[0, first)`` (``key_valid``, bool per position) and to each other,
-    writing nothing.
+    writing nothing. With ``draft_tokens``, the probe then decodes that many tokens greedily
+    over the same keys (a draft of the answer, from the loaded KV as it is), each also scored.
 
     Returns, per page position, the largest attention probability that any head of the layers
     from ``first_scored_layer`` on gives it from a suffix row at a position ``>= score_from``
-    (the question), and the token-layers run. Upper-layer heads that read a token sharply
-    (retrieval) mark the tokens whose approximate KV matters most for the answer; summed mass
-    would instead favour the many tokens near the question that every head reads a little.
+    (the question) or a draft row, and the token-layers run. Upper-layer heads that read a
+    token sharply (retrieval) mark the tokens whose approximate KV matters most for the answer;
+    summed mass would instead favour the many tokens near the question that every head reads a
+    little. The draft's rows add what writing the answer reads, e.g. the other documents' values
+    the answer could be confused with. While a draft runs, every layer keeps its gathered pages
+    (a dense copy of the prompt's K/V in the compute dtype); without one, each layer's copy is
+    freed when the layer is done.
     """
     first = key_valid.numel()
     positions = torch.arange(first, first + token_ids.numel(), device=token_ids.device)
-    score_rows = positions >= score_from
-    peak = torch.zeros(first, dtype=torch.float32, device=token_ids.device)
     layers = decoder_layers(model)
+    probes = [_ProbeAttention(layer.self_attn.attn, paged, block_table, key_valid,
+                              token_ids.numel() + draft_tokens)
+              for layer, paged in zip(layers, layers_kv)]
+    rows = 0
     with torch.inference_mode():
-        hidden, residual = model.model.embed_input_ids(token_ids), None
-        for index, (layer, paged) in enumerate(zip(layers, layers_kv)):
-            scored = index >= first_scored_layer
-            probe = _ProbeAttention(layer.self_attn.attn, paged, block_table, key_valid,
-                                    score_rows if scored else None)
-            hidden, residual = _run_layer(layer, probe, positions, hidden, residual)
-            if scored:
-                peak = torch.maximum(peak, probe.peak)
-    return peak, int(positions.numel()) * len(layers)
+        for step in range(draft_tokens + 1):
+            hidden, residual = model.model.embed_input_ids(token_ids), None
+            for index, (layer, probe) in enumerate(zip(layers, probes)):
+                probe.score_rows = positions >= score_from if index >= first_scored_layer \
+                    else None
+                hidden, residual = _run_layer(layer, probe, positions, hidden, residual)
+                if step == draft_tokens:  # the last pass: this layer's keys are done
+                    probe.release()
+            rows += int(positions.numel())
+            if step == draft_tokens:
+                break
+            last, _ = model.model.norm(hidden[-1:], residual[-1:])
+            token_ids = model.compute_logits(last).argmax(dim=-1)
+            positions = positions[-1:] + 1
+    peak = torch.zeros(first, dtype=torch.float32, device=token_ids.device)
+    for probe in probes[first_scored_layer:]:
+        peak = torch.maximum(peak, probe.peak)
+    return peak, rows * len(layers)
 
 
 def _run_layer(layer: nn.Module, stand_in: nn.Module, positions: torch.Tensor,

@@ -54,6 +54,9 @@ class ChunkReuseConfig:
     recompute_ratio: float = 0.15
     #: ``query``: neighbours on either side recomputed with each chosen token.
     query_window: int = 4
+    #: ``query``: after the question, the probe decodes this many answer tokens greedily over
+    #: the loaded KV and ranks what they read too (``0``: the question alone).
+    query_draft_tokens: int = 0
     #: APE (``kv_connector/ape.py``): the question's and generated tokens' attention over the
     #: loaded chunk tokens uses logits / ``attention_temperature`` and weighs the chunk segment
     #: by ``attention_scale``; both 1 (default): ordinary attention, no extra work.
@@ -87,6 +90,10 @@ class ChunkReuseConfig:
             bad["epic_tokens"] = "must be in [0, 4096]"
         if not 0 <= self.query_window <= 256:
             bad["query_window"] = "must be in [0, 256]"
+        if not 0 <= self.query_draft_tokens <= 64:
+            bad["query_draft_tokens"] = "must be in [0, 64]"
+        elif self.query_draft_tokens and self.recompute != "query":
+            bad["query_draft_tokens"] = "only the query policy drafts: set recompute to query"
         if not 0.0 <= self.recompute_ratio <= 1.0:
             bad["recompute_ratio"] = "must be in [0, 1]"
         for name in ("attention_temperature", "attention_scale"):

@@ -453,7 +453,8 @@ class ChunkReuseConnector(KVConnectorBase_V1, SupportsHMA):
         peaks, token_layers = blend.question_attention_peaks(
             model, layers, block_table,
             torch.tensor(req.suffix_ids, dtype=torch.long, device=device), key_valid,
-            req.question_start, first_scored_layer=len(layers) // 2)
+            req.question_start, first_scored_layer=len(layers) // 2,
+            draft_tokens=self.config.query_draft_tokens)
         self.counters.add("recompute_token_layers", token_layers)
         positions = torch.tensor(loaded, dtype=torch.long, device=device)
         ranked = positions[torch.argsort(peaks[positions], descending=True)].tolist()

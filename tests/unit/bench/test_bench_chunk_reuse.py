@@ -199,10 +199,12 @@ def test_ratios_without_the_default_policy():
 
 
 def test_sides_engines_and_tasks():
-    plan = plan_with_overrides(chunk_reuse.QUICK, ["sides=epic,prefix_cache", "num_chunks=4,8",
+    plan = plan_with_overrides(chunk_reuse.QUICK, ["sides=epic,query,prefix_cache",
+                                                   "num_chunks=4,8",
                                                    "stores=memory,disk:/tmp/x",
-                                                   "recompute_ratio=0.3"])
-    assert plan.side_labels() == ["full", "prefix_cache", "epic"]
+                                                   "recompute_ratio=0.3",
+                                                   "query_draft_tokens=12"])
+    assert plan.side_labels() == ["full", "prefix_cache", "epic", "query"]
     engines = chunk_reuse.side_engines(plan)
     assert "kv_transfer_config" not in engines["full"]
     assert engines["full"]["enable_prefix_caching"] is False
@@ -210,6 +212,9 @@ def test_sides_engines_and_tasks():
     extra = engines["epic"]["kv_transfer_config"]["kv_connector_extra_config"]
     assert extra["recompute"] == "epic" and extra["stores"] == ["memory", "disk:/tmp/x"]
     assert extra["recompute_ratio"] == 0.3 and engines["epic"]["dtype"] == "float32"
+    assert extra["query_draft_tokens"] == 0  # only the query policy drafts
+    query = engines["query"]["kv_transfer_config"]["kv_connector_extra_config"]
+    assert query["recompute"] == "query" and query["query_draft_tokens"] == 12
     assert extra["log_interval_s"] == 0  # the last log line must count the last request
     quick = chunk_reuse.side_engines(chunk_reuse.QUICK)
     naive = quick["naive"]["kv_transfer_config"]["kv_connector_extra_config"]

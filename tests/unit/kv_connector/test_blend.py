@@ -106,6 +106,22 @@ class _Model(nn.Module):
         self.model.embed = nn.Embedding(100, HIDDEN)
         self.model.embed_input_ids = self.model.embed
         self.model.layers = nn.ModuleList(_Layer() for _ in range(LAYERS))
+        self.model.norm, self.lm_head = _Norm(), nn.Linear(HIDDEN, 100)
+
+    def compute_logits(self, hidden):
+        return self.lm_head(hidden)
+
+
+def _dense_forward(model, tokens):
+    """Every layer's recorded K/V and attention probabilities, and the logits of each row."""
+    with torch.no_grad():
+        hidden, residual = model.model.embed_input_ids(tokens), None
+        recorded, probs = [], []
+        for layer in model.model.layers:
+            hidden, residual = layer(torch.arange(len(tokens)), hidden, residual)
+            recorded.append(layer.self_attn.attn.recorded)
+            probs.append(layer.self_attn.attn.probs)
+        return recorded, probs, model.compute_logits(model.model.norm(hidden, residual)[0])
 
 
 @pytest.fixture
@@ -114,15 +130,7 @@ def setup():
     model = _Model().eval()
     n = 70
     tokens = torch.randint(0, 100, (n,))
-    positions = torch.arange(n)
-    with torch.no_grad():
-        hidden, residual = model.model.embed_input_ids(tokens), None
-        reference, probs = [], []
-        for layer in model.model.layers:
-            hidden, residual = layer(positions, hidden, residual)
-            reference.append(layer.self_attn.attn.recorded)
-            probs.append(layer.self_attn.attn.probs)
-    model.dense_probs = probs
+    reference, model.dense_probs, _ = _dense_forward(model, tokens)
     num_pages = 8
     caches = [torch.randn(num_pages, HKV, PAGE, 2 * D) for _ in range(LAYERS)]  # garbage
     layers_kv = [PagedLayerKV(c, PAGE, cpu_isa="plain") for c in caches]
@@ -227,6 +235,31 @@ def test_query_probe_reads_the_questions_attention_over_exact_pages(setup):
                                 for p in model.dense_probs[first_scored:]]).amax(dim=0)
         torch.testing.assert_close(peaks, expected, atol=1e-5, rtol=1e-4)
     assert token_layers == (len(tokens) - first) * LAYERS
+    _assert_pages_match(layers_kv, block_table, reference, torch.arange(first))
+
+
+def test_query_probe_drafts_the_greedy_answer_and_scores_its_rows(setup):
+    """With ``draft_tokens``, the probe's rows are those of the dense forward over the prompt
+    extended by its greedy continuation: the peaks include what the draft rows read (the check
+    can fail: the draft's tokens, positions and attention to the question's rows must all be
+    right), and nothing is written."""
+    model, tokens, reference, layers_kv, block_table = setup
+    first, score_from, draft = 52, 58, 4
+    _fill(layers_kv, block_table, reference, torch.arange(first))
+    extended = tokens
+    for _ in range(draft):
+        logits = _dense_forward(model, extended)[2]
+        extended = torch.cat([extended, logits[-1:].argmax(dim=-1)])
+    _, probs, _ = _dense_forward(model, extended)
+    valid = torch.ones(first, dtype=torch.bool)
+    peaks, token_layers = question_attention_peaks(
+        model, layers_kv, block_table, tokens[first:], valid, score_from, 1, draft_tokens=draft)
+    expected = torch.stack([p[:, score_from:, :first].amax(dim=(0, 1)) for p in probs[1:]])
+    torch.testing.assert_close(peaks, expected.amax(dim=0), atol=1e-5, rtol=1e-4)
+    assert token_layers == (len(tokens) - first + draft) * LAYERS
+    question_only = question_attention_peaks(model, layers_kv, block_table, tokens[first:],
+                                             valid, score_from, 1)[0]
+    assert not torch.allclose(peaks, question_only, atol=1e-4)
     _assert_pages_match(layers_kv, block_table, reference, torch.arange(first))
 
 

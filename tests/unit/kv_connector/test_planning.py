@@ -102,7 +102,9 @@ def test_config_errors_name_the_knob():
     for bad, name in [({"recompute": "all"}, "recompute"), ({"recompute_ratio": 2}, "ratio"),
                       ({"epic_tokens": 1.5}, "epic_tokens"), ({"stores": []}, "stores"),
                       ({"recompute_policy": "epic"}, "recompute_policy"),
-                      ({"log_interval_s": -1}, "log_interval_s")]:
+                      ({"log_interval_s": -1}, "log_interval_s"),
+                      ({"query_draft_tokens": 65}, "query_draft_tokens"),
+                      ({"recompute": "epic", "query_draft_tokens": 4}, "recompute to query")]:
         with pytest.raises(ChunkReuseConfigError, match=name):
             parse_config(bad)
 
