@@ -130,14 +130,16 @@ class _ProbeAttention(_PagedStandIn):
     to the page keys ``[0, first)`` that are ``key_valid``, to the rows of earlier calls (kept
     here, never written to the pages) and causally to each other; calls continue the positions
     ``first, first+1, ...``, ``capacity`` rows in all. The pages are gathered once, on the first
-    call, and kept with the rows until :meth:`release`. With ``score_rows`` (bool per row of
-    each call), ``peak`` gets, per page position, the largest attention probability any head
-    gives it from those rows."""
+    call, and kept with the rows until :meth:`release` (in float32 when ``scored``: the scored
+    attention runs in float32). With ``score_rows`` (bool per row of each call; ``None`` in a
+    layer that is not ``scored``), ``peak`` gets, per page position, the largest attention
+    probability any head gives it from those rows."""
 
     def __init__(self, attn: nn.Module, paged: PagedLayerKV, block_table: torch.Tensor,
-                 key_valid: torch.Tensor, capacity: int):
+                 key_valid: torch.Tensor, capacity: int, scored: bool):
         super().__init__(attn, paged, block_table)
         self.key_valid, self.score_rows, self.capacity = key_valid, None, capacity
+        self.scored = scored
         self.peak = torch.zeros(key_valid.numel(), dtype=torch.float32, device=key_valid.device)
         self.keys: torch.Tensor | None = None  # [first + capacity, H_kv, D]: pages, then rows
         self.values: torch.Tensor | None = None
@@ -152,7 +154,9 @@ class _ProbeAttention(_PagedStandIn):
             page_k, page_v = self.paged.read(self.block_table,
                                              torch.arange(first, device=q.device))
             shape = (first + self.capacity, self.num_kv_heads, d)
-            self.keys, self.values = k.new_empty(shape), v.new_empty(shape)
+            dtype = torch.float32 if self.scored else k.dtype
+            self.keys = k.new_empty(shape, dtype=dtype)
+            self.values = v.new_empty(shape, dtype=dtype)
             self.keys[:first], self.values[:first] = page_k, page_v
         earlier, end = self.earlier, first + self.earlier + n
         self.keys[first + earlier:end] = k.view(n, self.num_kv_heads, d)
@@ -180,9 +184,9 @@ class _ProbeAttention(_PagedStandIn):
                           visible: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
         """The rows' attention output from explicit float32 probabilities
         (``_PROBE_ROWS_PER_BLOCK`` rows at a time), raising ``peak`` to the probabilities the
-        ``scored`` rows give the page keys."""
+        ``scored`` rows give the page keys; ``keys`` and ``values`` are float32 (a scored
+        probe's buffers)."""
         n, first, group = q.shape[0], self.key_valid.numel(), self.num_heads // self.num_kv_heads
-        keys, values = keys.float(), values.float()
         # query head h * group + g reads kv head h (GQA), without copying keys per query head
         q = q.reshape(n, self.num_kv_heads, group, self.head_size).float()
         out = torch.empty_like(q)
@@ -215,27 +219,27 @@ def question_attention_peaks(model: nn.Module, layers_kv: list[PagedLayerKV],
     summed mass would instead favour the many tokens near the question that every head reads a
     little. The draft's rows add what writing the answer reads, e.g. the other documents' values
     the answer could be confused with. While a draft runs, every layer keeps its gathered pages
-    (a dense copy of the prompt's K/V in the compute dtype); without one, each layer's copy is
-    freed when the layer is done.
+    (a dense copy of the prompt's K/V, in float32 from ``first_scored_layer`` on); without one,
+    each layer's copy is freed when the layer is done.
     """
     first = key_valid.numel()
     positions = torch.arange(first, first + token_ids.numel(), device=token_ids.device)
     layers = decoder_layers(model)
     probes = [_ProbeAttention(layer.self_attn.attn, paged, block_table, key_valid,
-                              token_ids.numel() + draft_tokens)
-              for layer, paged in zip(layers, layers_kv)]
+                              token_ids.numel() + draft_tokens, index >= first_scored_layer)
+              for index, (layer, paged) in enumerate(zip(layers, layers_kv))]
     rows = 0
     with torch.inference_mode():
         for step in range(draft_tokens + 1):
+            last_pass = step == draft_tokens
             hidden, residual = model.model.embed_input_ids(token_ids), None
-            for index, (layer, probe) in enumerate(zip(layers, probes)):
-                probe.score_rows = positions >= score_from if index >= first_scored_layer \
-                    else None
+            for layer, probe in zip(layers, probes):
+                probe.score_rows = positions >= score_from if probe.scored else None
                 hidden, residual = _run_layer(layer, probe, positions, hidden, residual)
-                if step == draft_tokens:  # the last pass: this layer's keys are done
+                if last_pass:  # this layer's keys are done
                     probe.release()
             rows += int(positions.numel())
-            if step == draft_tokens:
+            if last_pass:
                 break
             last, _ = model.model.norm(hidden[-1:], residual[-1:])
             token_ids = model.compute_logits(last).argmax(dim=-1)
