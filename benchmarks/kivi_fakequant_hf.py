@@ -27,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-MODE = {"fmt": "bf16", "key_group": None, "dump": None, "fp32": False, "semantics": "prefill"}
+MODE = {"fmt": "bf16", "key_group": None, "value_rotation": "none", "dump": None, "fp32": False,
+        "semantics": "prefill"}
 
 
 def _decode_semantics_attention(query, k, kq, vq, key_group, scaling):
@@ -60,7 +61,7 @@ def _fq_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
         k = key[0].transpose(0, 1)  # [L, H, D]
         v = value[0].transpose(0, 1)
         if fmt.startswith("kivi"):
-            over = {}
+            over = {"value_rotation": MODE["value_rotation"]}
             if MODE["key_group"]:
                 over["key_group"] = MODE["key_group"]
             layout = KiviLayout.preset(fmt, head_size=k.shape[-1], block_size=128,
@@ -93,6 +94,8 @@ def main() -> None:
     ap.add_argument("--count", type=int, default=2)
     ap.add_argument("--formats", default="bf16,kivi_4bit,kivi_2bit")
     ap.add_argument("--key-group", type=int, default=0)
+    ap.add_argument("--value-rotation", choices=("none", "hadamard"), default="none",
+                    help="KIVI formats: kv_quant.value_rotation")
     ap.add_argument("--semantics", choices=("prefill", "decode"), default="prefill")
     ap.add_argument("--dump", default=None)
     ap.add_argument("--dump-format", default="bf16")
@@ -115,6 +118,7 @@ def main() -> None:
                                                  attn_implementation="kivi_fq").eval()
     windows = build_windows(tok, args.window, args.count)
     MODE["key_group"] = args.key_group or None
+    MODE["value_rotation"] = args.value_rotation
     MODE["fp32"] = args.fp32_attention
     MODE["semantics"] = args.semantics
     res, predictions = {}, {}

@@ -4,7 +4,8 @@ Input: the q/k/v of every attention layer of one held-out window, dumped by
 ``kivi_fakequant_hf.py --dump DIR`` (post-RoPE keys, the model's own dtype). For each layer and
 format, ``kivi_format.attention_error`` quantizes K/V as the format stores them and compares
 fp32 causal attention on them with attention on the unquantized K/V (relative Frobenius error of
-the output). Formats: ``kivi_4bit`` (keys per channel over 64-token groups), the same bits with
+the output). Formats: ``kivi_4bit`` (keys per channel over 64-token groups), the same with its
+values Hadamard-rotated before quantization (``kv_quant.value_rotation``), the same bits with
 keys per token (``key_mode="token"``: only the key axis changes), ``int4_per_token`` (vLLM's
 int4_per_token_head without its Hadamard rotation), ``int8_per_token`` and ``kivi_2bit``. The
 ``outlier`` column is the layer's largest key channel (mean |k| over tokens and heads) over the
@@ -23,8 +24,9 @@ from pathlib import Path
 
 import torch
 
-FORMATS = (  # label, fake_quant_kv format, key_mode
+FORMATS = (  # label, fake_quant_kv format (a preset, or a preset with layout overrides), key_mode
     ("kivi_4bit", "kivi_4bit", "channel"),
+    ("kivi_4bit_v_hadamard", ("kivi_4bit", {"value_rotation": "hadamard"}), "channel"),
     ("4bit_keys_per_token", "kivi_4bit", "token"),
     ("int4_per_token", "int4_per_token", "channel"),
     ("int8_per_token", "int8_per_token", "channel"),
@@ -39,13 +41,15 @@ def outlier_ratio(k: torch.Tensor) -> float:
 
 
 def layer_errors(dump: list) -> list[dict]:
-    from vllm_accel.kernels.kivi_format import attention_error
+    from vllm_accel.kernels.kivi_format import KiviLayout, attention_error
 
     rows = []
     for layer, (q, k, v, scale) in enumerate(dump):
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [H, L, D] -> [L, H, D]
         row = {"layer": layer, "outlier": outlier_ratio(k)}
         for label, fmt, key_mode in FORMATS:
+            if isinstance(fmt, tuple):  # bf16 rows, 128-token pages, as a preset name gets
+                fmt = KiviLayout.preset(fmt[0], head_size=k.shape[-1], **fmt[1])
             row[label] = attention_error(q, k, v, fmt, key_mode=key_mode, scale=scale)["out_rel"]
         rows.append(row)
     return rows

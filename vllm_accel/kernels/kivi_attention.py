@@ -55,7 +55,7 @@ from vllm_accel.kernels.kivi_cache import (
     resolve_backend,
 )
 from vllm_accel.kernels.kivi_cpu import decode_attention
-from vllm_accel.kernels.kivi_format import KiviLayout, KiviViews
+from vllm_accel.kernels.kivi_format import KiviLayout, KiviViews, rotate_values
 from vllm_accel.kernels.kivi_prefill_cpu import prefill_attention
 
 if HAS_TRITON:
@@ -730,13 +730,19 @@ def kivi_paged_attention(
                          "read their own key from the tail and their value from the cache)")
     if context_kv is not None and len(context_kv) != seq_lens.numel():
         raise ValueError("kivi_paged_attention: context_kv needs one entry per sequence")
+    if layout.value_rotation != "none":  # the pages hold rotated values: rotate the others in
+        if chunk_kv is not None:
+            chunk_kv = (chunk_kv[0], rotate_values(chunk_kv[1], layout))
+        if context_kv is not None:
+            context_kv = [None if c is None else (c[0], rotate_values(c[1], layout))
+                          for c in context_kv]
     if backend == "triton":
         if chunk_kv is not None or context_kv is not None:
             raise NotImplementedError("kivi_paged_attention: chunk_kv and context_kv are not "
                                       "supported by the Triton kernel yet")
         if query.stride(2) != 1 or out.stride(2) != 1:
             raise ValueError("kivi_paged_attention: query/out need a contiguous last dimension")
-        return _attention_triton(
+        _attention_triton(
             query,
             layout.views(cache) if views is None else views,
             tail,
@@ -756,20 +762,24 @@ def kivi_paged_attention(
             num_stages,
             fold,
         )
-    native_rows = ()
-    if backend == "native":
+    elif backend == "native":
         native_rows = _attention_native_decode(
             query, cache, block_table, seq_lens, query_start_loc, scale, layout, k_tail,
             tail_index, out, max_query_len
         )
-        return _attention_split_prefill(
+        _attention_split_prefill(
             query, cache, block_table, seq_lens, query_start_loc, scale, layout, k_tail,
             tail_index, out, native_rows, chunk_kv, chunk_kv_min_rows, context_kv
         )
-    return _attention_torch(
-        query, cache, block_table, seq_lens, query_start_loc, scale, layout, k_tail, tail_index,
-        out, chunk_kv=chunk_kv, chunk_kv_min_rows=chunk_kv_min_rows, context_kv=context_kv
-    )
+    else:
+        _attention_torch(
+            query, cache, block_table, seq_lens, query_start_loc, scale, layout, k_tail,
+            tail_index, out, chunk_kv=chunk_kv, chunk_kv_min_rows=chunk_kv_min_rows,
+            context_kv=context_kv
+        )
+    if layout.value_rotation != "none":  # computed over rotated values: rotate the output back
+        out.copy_(rotate_values(out, layout))
+    return out
 
 
 def _attention_split_prefill(

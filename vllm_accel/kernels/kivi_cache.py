@@ -52,6 +52,7 @@ from vllm_accel.kernels.kivi_format import (
     dequantize_codes,
     pack_codes,
     quantize_groups,
+    rotate_values,
     unpack_codes,
 )
 
@@ -566,7 +567,8 @@ def quantize_on_write(
     """Write new tokens into the KIVI cache (vLLM's ``do_kv_cache_update``).
 
     Args:
-        key, value: ``[T, H_kv, D]`` (any float dtype; rounded to ``layout.dtype`` first).
+        key, value: ``[T, H_kv, D]`` (any float dtype; rounded to ``layout.dtype`` first;
+            values rotated first when ``layout.value_rotation`` says so).
         cache: the layer's ``uint8 [num_blocks, H_kv, block_size, C]`` (or ``[num_blocks, H_kv,
             page_bytes]``), C = ``layout.bytes_per_token_head``; modified in place.
         slot_mapping: ``[T]`` ints, ``page * block_size + offset``; negative entries are skipped.
@@ -596,6 +598,8 @@ def quantize_on_write(
         if tail_mapping is not None:
             raise ValueError("KIVI: tail_mapping must be None with residual='page'")
         entry = torch.div(slot, layout.block_size, rounding_mode="floor")
+    if layout.value_rotation != "none":  # the page stores the rotated rows, rounded to dtype
+        value = rotate_values(value.to(layout.dtype), layout)
     resolved = resolve_backend(backend, key.device, layout)
     if resolved == "triton":
         _write_triton(key, value, views, tail, slot, entry, layout)
@@ -811,6 +815,8 @@ def dequantize_pages(
     cache: torch.Tensor, pages: torch.Tensor, layout: KiviLayout, *, backend: str = "auto"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dequantize whole pages: returns fp32 ``K, V [P, H_kv, block_size, D]`` for ``pages [P]``.
+    ``V`` is in the page's value space: with ``layout.value_rotation`` the values are rotated
+    (``rotate_values`` maps them back).
 
     Every row is decoded from its codes (sink rows from their full-precision copies), including
     rows of a key group that is not complete yet -- those keys live in the tail; use
@@ -835,7 +841,8 @@ def gather_sequence_kv(
     length: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K, V ``[length, H_kv, D]`` (fp32) of the first ``length`` positions (default: all
-    ``seq_len``) of one sequence of ``seq_len`` cached tokens, exactly as attention sees them.
+    ``seq_len``) of one sequence of ``seq_len`` cached tokens, exactly as attention sees them
+    (values in the page's space, rotated with ``layout.value_rotation``).
 
     Keys of complete groups are dequantized from the pages; keys of the unfinished last group
     (``seq_len % key_group`` tokens) come from the tail entry ``tail_entry`` (residual="tail") or

@@ -17,6 +17,14 @@ What is quantized how
   are left out of the key group's min/max.  For a sequence's first page these are the attention
   sink tokens; for later pages the area exists anyway (every page has the same size), so those rows
   get the extra precision for free.
+* **Value rotation** (optional, ``value_rotation="hadamard"``).  Each value row is multiplied by
+  the normalized Hadamard matrix ``H`` of size D (symmetric, orthogonal, its own inverse) before it
+  is quantized, so the page holds ``quant(v @ H)``; attention computes ``sum_t p_t (v_t @ H)`` over
+  the rotated rows and multiplies the output by ``H`` once (:func:`rotate_values`).  The rotation
+  spreads a row's large channels over all channels, so its per-token range is set by the row's
+  norm rather than its largest channel (as vLLM's ``int4_per_token_head`` does for keys and
+  values); keys are left alone (their per-channel groups already isolate outlier channels, and a
+  rotation would mix those into every channel).  D must be a power of two.
 * **Scales and zero points** are float16 (clamped to +-65504), ``code`` is unsigned
   ``bits``-wide; codes are packed along the head dimension, lowest channel in the lowest bits:
   byte ``j`` of a row holds channels ``P*j .. P*j+P-1`` with ``P = 8 // bits``.
@@ -110,6 +118,7 @@ ALLOWED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 RESIDUAL_MODES = ("tail", "page")
 MAX_SINK_TOKENS = 32
 REGION_ALIGN = 16
+VALUE_ROTATIONS = ("none", "hadamard")
 
 __all__ = [
     "KiviLayout",
@@ -122,6 +131,8 @@ __all__ = [
     "unpack_codes",
     "fake_quant_per_token",
     "fake_quant_kv",
+    "hadamard_matrix",
+    "rotate_values",
     "reference_attention",
     "attention_error",
 ]
@@ -177,6 +188,8 @@ class KiviLayout:
         dtype: full-precision dtype of the residual and sink rows (the model dtype).
         sink_tokens: S full-precision token slots at the start of every page, 0 <= S < key_group.
         residual: ``"tail"`` (residual keys in an external pool) or ``"page"`` (inside the page).
+        value_rotation: ``"none"`` or ``"hadamard"`` (values are stored rotated by the D x D
+            Hadamard matrix; D a power of two; see the module docstring).
     """
 
     bits_k: int = 4
@@ -188,6 +201,7 @@ class KiviLayout:
     dtype: torch.dtype = torch.bfloat16
     sink_tokens: int = 0
     residual: str = "tail"
+    value_rotation: str = "none"
 
     def __post_init__(self) -> None:
         if self.value_group is None:
@@ -225,6 +239,11 @@ class KiviLayout:
             )
         if self.residual not in RESIDUAL_MODES:
             raise bad("residual", self.residual, f"one of {RESIDUAL_MODES}")
+        if self.value_rotation not in VALUE_ROTATIONS:
+            raise bad("value_rotation", self.value_rotation, f"one of {VALUE_ROTATIONS}")
+        if self.value_rotation == "hadamard" and d & (d - 1):
+            raise bad("value_rotation", self.value_rotation,
+                      f"'none' for head_size={d} ('hadamard' needs a power-of-two head size)")
 
     # ------------------------------------------------------------------ presets
     @classmethod
@@ -340,7 +359,8 @@ class KiviLayout:
         return (
             f"K{self.bits_k}/V{self.bits_v} D={self.head_size} N={self.block_size} "
             f"G={self.key_group} VG={self.value_group} S={self.sink_tokens} "
-            f"residual={self.residual} dtype={_dtype_name(self.dtype)}: "
+            f"residual={self.residual} dtype={_dtype_name(self.dtype)}"
+            f"{' values Hadamard-rotated' if self.value_rotation == 'hadamard' else ''}: "
             f"{self.bytes_per_token_head} B/token/head, {self.capacity_ratio_vs_bf16:.2f}x bf16"
         )
 
@@ -532,14 +552,48 @@ def _fake_quant_keys_kivi(k: torch.Tensor, layout: KiviLayout, key_mode: str) ->
     return out
 
 
+@functools.lru_cache(maxsize=8)
+def _hadamard(n: int, device: torch.device) -> torch.Tensor:
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h / math.sqrt(n)).to(torch.float32).to(device)
+
+
+def hadamard_matrix(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The normalized Sylvester Hadamard matrix ``[n, n]`` (float32; ``n`` a power of two):
+    symmetric and orthogonal, so it is its own inverse.
+
+    >>> h = hadamard_matrix(4)
+    >>> torch.equal(h, h.T), torch.allclose(h @ h, torch.eye(4))
+    (True, True)
+    """
+    if n <= 0 or n & (n - 1):
+        raise ValueError(f"hadamard_matrix: n={n} must be a power of two")
+    return _hadamard(n, torch.device(device))
+
+
+def rotate_values(x: torch.Tensor, layout: KiviLayout) -> torch.Tensor:
+    """``x @ H`` over the last dimension (D) when the layout rotates values, else ``x`` itself.
+
+    Rotating twice is the identity, so the same call maps values into the page's space (before
+    quantization) and an attention output computed over rotated values back.  Computed in
+    float32, returned in ``x``'s dtype.
+    """
+    if layout.value_rotation == "none":
+        return x
+    h = hadamard_matrix(x.shape[-1], x.device)
+    return (x.float() @ h).to(x.dtype)
+
+
 def _fake_quant_values_kivi(v: torch.Tensor, layout: KiviLayout) -> torch.Tensor:
     L, H, D = v.shape
-    vf = v.to(layout.dtype).float()
+    vf = rotate_values(v.to(layout.dtype), layout).float()  # the rows the page stores
     out = fake_quant_per_token(vf, layout.bits_v, layout.value_group)
     if layout.sink_tokens:
         sink = (torch.arange(L, device=v.device) % layout.block_size) < layout.sink_tokens
         out[sink] = vf[sink]
-    return out
+    return rotate_values(out, layout)
 
 
 _PER_TOKEN_FORMATS = {"int8_per_token": 8, "int4_per_token": 4, "int2_per_token": 2}

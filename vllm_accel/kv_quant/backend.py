@@ -60,7 +60,7 @@ from vllm_accel.attention import step_requests
 from vllm_accel.attention.registry import KV_CACHE_DTYPE_BACKENDS
 from vllm_accel.kernels.kivi_attention import kivi_paged_attention
 from vllm_accel.kernels.kivi_cache import quantize_on_write, resolve_backend
-from vllm_accel.kernels.kivi_format import ALLOWED_DTYPES, KiviLayout
+from vllm_accel.kernels.kivi_format import ALLOWED_DTYPES, KiviLayout, hadamard_matrix
 from vllm_accel.kv_quant.config import (
     KvQuantKnobs,
     exact_prefill,
@@ -87,8 +87,8 @@ _BUILT_FORMAT: dict[str, tuple[KvQuantKnobs, torch.dtype]] = {}
 def page_format() -> tuple[KvQuantKnobs, torch.dtype]:
     """The ``kv_quant`` knobs and model dtype of the vLLM config being built or run, else of the
     layers built in this process, else of the environment and bf16. The page format follows the
-    knobs ``residual``, ``key_group``, ``value_group``, ``sink_tokens`` and, through the sink
-    rows, the model dtype."""
+    knobs ``residual``, ``key_group``, ``value_group``, ``sink_tokens``, ``value_rotation`` and,
+    through the sink rows, the model dtype."""
     from vllm.config import get_current_vllm_config_or_none
 
     config = get_current_vllm_config_or_none()
@@ -108,7 +108,7 @@ def page_layout(kv_cache_dtype: str, head_size: int, block_size: int,
     return KiviLayout.preset(kv_cache_dtype, head_size=head_size, block_size=block_size,
                              dtype=dtype, residual=knobs.residual, key_group=knobs.key_group,
                              value_group=knobs.value_group or None,
-                             sink_tokens=knobs.sink_tokens)
+                             sink_tokens=knobs.sink_tokens, value_rotation=knobs.value_rotation)
 
 
 # --------------------------------------------------------------------------------------------
@@ -160,6 +160,10 @@ def startup_problems(kv_cache_dtype: str, selector_config: Any) -> list[str]:
         problems.append(
             f"{flag} with vllm_accel.kv_quant.value_group={knobs.value_group}: the value group "
             f"must divide this model's head size {head}; supported: 0 (the head size), {fits}")
+    if knobs.value_rotation == "hadamard" and head & (head - 1):
+        problems.append(
+            f"{flag} with vllm_accel.kv_quant.value_rotation='hadamard' needs a power-of-two head "
+            f"size; this model's is {head}; supported here: none")
     if selector_config.use_mla:
         problems.append(f"{flag} does not support MLA models")
     if selector_config.attn_type != AttentionType.DECODER:
@@ -488,6 +492,8 @@ class KiviAttentionImpl(AttentionImpl):
                         "unquantized" if self.exact_prefill else "from the quantized cache",
                         self.knobs.prefill_kv)
         self._layouts: dict[int, KiviLayout] = {}
+        if self.knobs.value_rotation == "hadamard":  # built once here, not inside a forward
+            hadamard_matrix(head_size, torch.empty(0, device=device).device)  # "cuda" -> cuda:N
 
     def layout_for(self, kv_cache: torch.Tensor) -> KiviLayout:
         """The page layout of this layer's cache ``[num_blocks, H_kv, block_size, C]``."""

@@ -39,7 +39,7 @@ so a prompt's later steps read its earlier ones unquantized, as one-step prefill
 ``prompt_exact_tokens * layers * kv_heads * head_size * 2`` elements in the model dtype
 (logged at start-up), and only while a prompt is being prefilled.
 
-Three knobs change the page format itself (the bytes per token vLLM budgets follow them; see
+Four knobs change the page format itself (the bytes per token vLLM budgets follow them; see
 :mod:`vllm_accel.kernels.kivi_format` for the layout):
 
 * ``key_group`` (64): tokens per key quantization group, one of 16, 32, 64, 128. Smaller groups
@@ -50,6 +50,10 @@ Three knobs change the page format itself (the bytes per token vLLM budgets foll
 * ``sink_tokens`` (0): the first S token slots of every page keep a full-precision copy of their
   K and V (the sequence's first tokens, its attention sinks, on its first page), ``0 <= S <
   key_group`` and ``S <= 32``.
+* ``value_rotation`` (``"none"``): ``"hadamard"`` stores every value row multiplied by the
+  head-size Hadamard matrix and rotates the attention output back (same bytes; the head size must
+  be a power of two). It spreads a row's large channels over all of them before the per-token
+  quantization; see :mod:`vllm_accel.kernels.kivi_format`.
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from vllm_accel.config import register_section
-from vllm_accel.kernels.kivi_format import ALLOWED_KEY_GROUPS, MAX_SINK_TOKENS
+from vllm_accel.kernels.kivi_format import ALLOWED_KEY_GROUPS, MAX_SINK_TOKENS, VALUE_ROTATIONS
 
 if TYPE_CHECKING:
     import torch
@@ -84,8 +88,9 @@ class KvQuantKnobs:
     see the module doc).
     ``prompt_exact_tokens``: prompt tokens (all requests) kept unquantized between prefill
     steps for the prompt's later steps to read (``exact`` only; 0: off).
-    ``key_group``, ``value_group`` (0: the head size), ``sink_tokens``: the page format's key
-    group (tokens), value group (channels) and full-precision sink slots per page."""
+    ``key_group``, ``value_group`` (0: the head size), ``sink_tokens``, ``value_rotation``: the
+    page format's key group (tokens), value group (channels), full-precision sink slots per page
+    and value rotation (``none`` or ``hadamard``)."""
 
     kernel: str = "auto"
     residual: str = "tail"
@@ -94,6 +99,7 @@ class KvQuantKnobs:
     key_group: int = 64
     value_group: int = 0
     sink_tokens: int = 0
+    value_rotation: str = "none"
 
     def validate(self) -> dict[str, str]:
         problems: dict[str, str] = {}
@@ -114,6 +120,8 @@ class KvQuantKnobs:
             problems["sink_tokens"] = (f"must be in [0, {min(self.key_group - 1, MAX_SINK_TOKENS)}]"
                                        f" (below key_group={self.key_group}, at most "
                                        f"{MAX_SINK_TOKENS})")
+        if self.value_rotation not in VALUE_ROTATIONS:
+            problems["value_rotation"] = f"must be one of {', '.join(VALUE_ROTATIONS)}"
         return problems
 
 

@@ -102,8 +102,10 @@ LENS, QLENS = [75, 50, 32, 9], [1, 7, 32, 2]
         KiviLayout(2, 2, 32, 32, 16, 32, torch.bfloat16, 3, "page"),
         KiviLayout(4, 2, 64, 64, 32, 64, torch.float16, 4, "tail"),
         KiviLayout(4, 4, 32, 32, 16, 16, torch.float32, 0, "page"),
+        KiviLayout(4, 4, 32, 32, 16, 32, torch.bfloat16, 3, "tail", "hadamard"),
     ],
-    ids=lambda lay: f"K{lay.bits_k}V{lay.bits_v}-{lay.residual}-S{lay.sink_tokens}",
+    ids=lambda lay: (f"K{lay.bits_k}V{lay.bits_v}-{lay.residual}-S{lay.sink_tokens}"
+                     f"-{lay.value_rotation}"),
 )
 def test_torch_reference_equals_dense_attention_on_fake_quantized_kv(lay):
     b = Batch(lay, LENS, QLENS, hq=4, hkv=2)
@@ -170,12 +172,14 @@ def test_argument_errors():
         (KiviLayout(2, 4, 32, 32, 16, 32, torch.bfloat16, 3, "page"), 3, True),
         (KiviLayout(4, 2, 32, 32, 16, 32, torch.float16, 2, "tail"), 2, False),
         (KiviLayout(4, 4, 32, 32, 16, 16, torch.float32, 0, "page"), 2, True),
+        (KiviLayout(4, 4, 32, 32, 16, 32, torch.bfloat16, 2, "tail", "hadamard"), 2, True),
     ],
     ids=[
         "K4V4-tail-VG16-1split",
         "K2V4-page-sinks-folded-3splits",
         "K4V2-tail-sinks-unfolded-2splits",
         "K4V4-page-float32-2splits",
+        "K4V4-tail-sinks-hadamard-2splits",
     ],
 )
 def test_triton_fused_attention_matches_torch(lay, splits, fold):

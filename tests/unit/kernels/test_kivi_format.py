@@ -9,8 +9,10 @@ from vllm_accel.kernels.kivi_format import (
     dequantize_codes,
     fake_quant_kv,
     fake_quant_per_token,
+    hadamard_matrix,
     pack_codes,
     quantize_groups,
+    rotate_values,
     unpack_codes,
 )
 
@@ -89,6 +91,8 @@ def test_regions_are_aligned_disjoint_and_inside_the_page():
         (dict(dtype=torch.float64), "dtype"),
         (dict(sink_tokens=64, key_group=64), "sink_tokens"),
         (dict(residual="ring"), "residual"),
+        (dict(value_rotation="random"), "value_rotation"),
+        (dict(head_size=96, value_rotation="hadamard"), "value_rotation"),
     ],
 )
 def test_validation_names_the_parameter(kwargs, name):
@@ -195,6 +199,35 @@ def test_per_channel_keys_beat_per_token_keys_with_an_outlier_channel():
     assert chan["v_rel"] == pytest.approx(tok["v_rel"])  # only the key axis differs
     two = attention_error(q, k, v, "kivi_2bit", block_size=64)
     assert two["out_rel"] > chan["out_rel"]
+
+
+def test_hadamard_is_orthogonal_symmetric_and_refuses_other_sizes():
+    h = hadamard_matrix(64)
+    assert torch.equal(h, h.T)
+    torch.testing.assert_close(h @ h, torch.eye(64), atol=1e-6, rtol=0)
+    assert set((h.abs() * 8).round().unique().tolist()) == {1.0}  # entries +-1/sqrt(64)
+    with pytest.raises(ValueError, match="power of two"):
+        hadamard_matrix(96)
+
+
+def test_value_rotation_spreads_an_outlier_channel_over_the_row():
+    """Per-token 4-bit values with one large channel: the row's range is set by that channel, so
+    the other channels get few levels; rotated, the range follows the row's norm."""
+    torch.manual_seed(0)
+    v = torch.randn(256, 2, 64)
+    v[..., 7] *= 25
+    plain = KiviLayout(4, 4, 64, 128, 64, dtype=torch.float32)
+    rotated = KiviLayout(4, 4, 64, 128, 64, dtype=torch.float32, value_rotation="hadamard")
+    k = torch.randn(256, 2, 64)
+    kq_plain, vq_plain = fake_quant_kv(k, v, plain)
+    kq_rot, vq_rot = fake_quant_kv(k, v, rotated)
+    assert torch.equal(kq_plain, kq_rot)  # keys are not rotated
+    err = {name: float((vq - v).norm() / v.norm()) for name, vq in (("plain", vq_plain),
+                                                                   ("rotated", vq_rot))}
+    assert err["rotated"] < 0.5 * err["plain"], err
+    assert rotate_values(v, plain) is v
+    torch.testing.assert_close(rotate_values(rotate_values(v, rotated), rotated), v,
+                               atol=1e-5, rtol=1e-5)
 
 
 def test_fake_quant_formats_and_errors():

@@ -176,3 +176,25 @@ def test_context_kv_needs_chunk_kv_and_fitting_shapes():
     with pytest.raises(ValueError, match="context_kv must be two"):
         prefill_attention(q, cache, table[0], 300, 0.125, layout, chunk_kv=own,
                           context_kv=(torch.randn(10, 1, 64), torch.randn(10, 1, 64)), **kw)
+
+
+@pytest.mark.parametrize("backend", ["torch", "native"])
+def test_value_rotation_leaves_a_one_step_prompt_exact(backend):
+    """A prompt prefilled in one step attends only to its own unquantized rows: rotating the
+    values in (``chunk_kv``) and the output back changes nothing but float rounding."""
+    if backend == "native" and not HAS_NATIVE:
+        pytest.skip("vllm_accel._C_kivi is not built")
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(90, 6, 64, generator=gen)
+    own = (torch.randn(90, 2, 64, generator=gen), torch.randn(90, 2, 64, generator=gen))
+    own[1][..., 5] *= 30  # an outlier value channel: rotation would matter if it were quantized
+    outs = []
+    for rotation in ("none", "hadamard"):
+        layout = KiviLayout(4, 4, head_size=64, block_size=128, key_group=64,
+                            dtype=torch.float32, value_rotation=rotation)
+        cache, tail, table, tail_index = filled_kivi_cache(layout, [90], 2, seed=6)
+        outs.append(kivi_paged_attention(
+            q, cache, table, torch.tensor([90]), torch.tensor([0, 90]), 0.125, layout,
+            k_tail=tail, tail_index=tail_index, backend=backend, out=torch.zeros(q.shape),
+            chunk_kv=own, chunk_kv_min_rows=2))
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-4, rtol=1e-5)

@@ -56,5 +56,9 @@ def test_format_knobs_are_validated_at_load():
                                 ("sink_tokens", -1, r"\[0, 32\]")):
         with pytest.raises(AccelConfigError, match=rf"kv_quant\.{key}={value}.*{allowed}"):
             load_knobs({"vllm_accel": {"kv_quant": {key: value}}})
+    assert load_knobs({"vllm_accel": {"kv_quant": {"value_rotation": "hadamard"}}}
+                      ).value_rotation == "hadamard"
+    with pytest.raises(AccelConfigError, match=r"value_rotation=.?random.*none, hadamard"):
+        load_knobs({"vllm_accel": {"kv_quant": {"value_rotation": "random"}}})
     with pytest.raises(AccelConfigError, match=r"sink_tokens=16.*\[0, 15\]"):
         load_knobs({"vllm_accel": {"kv_quant": {"key_group": 16, "sink_tokens": 16}}})

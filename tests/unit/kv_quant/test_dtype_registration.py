@@ -114,3 +114,8 @@ def test_startup_problems_check_the_format_knobs_against_the_model(monkeypatch):
     (group,) = startup_problems("kivi_4bit", _selector_config())
     assert "value_group=24" in group and "head size 64" in group and "8, 16, 32, 64" in group
     assert startup_problems("kivi_4bit", _selector_config(head_size=96)) == []
+    monkeypatch.delenv("VLLM_ACCEL_KV_QUANT_VALUE_GROUP")
+    monkeypatch.setenv("VLLM_ACCEL_KV_QUANT_VALUE_ROTATION", "hadamard")
+    assert startup_problems("kivi_4bit", _selector_config(head_size=128)) == []
+    (rotation,) = startup_problems("kivi_4bit", _selector_config(head_size=96))
+    assert "value_rotation='hadamard'" in rotation and "head size" in rotation and "96" in rotation

@@ -49,13 +49,16 @@ def _slots(block_table_row, positions):
     return torch.tensor([int(block_table_row[p // N]) * N + p % N for p in positions])
 
 
+@pytest.mark.parametrize("rotation", ["none", "hadamard"])
 @pytest.mark.parametrize("prefill_kv", ["cache", "exact"])
 @pytest.mark.parametrize("residual", ["tail", "page"])
-def test_prefill_then_decode_matches_the_fake_quant_reference(residual, prefill_kv):
+def test_prefill_then_decode_matches_the_fake_quant_reference(residual, prefill_kv, rotation):
     torch.manual_seed(0)
-    layout = page_layout("kivi_4bit", D, N, knobs=KvQuantKnobs(residual=residual))
+    knobs = KvQuantKnobs(residual=residual, value_rotation=rotation)
+    layout = page_layout("kivi_4bit", D, N, knobs=knobs)
+    assert layout.value_rotation == rotation
     cache = layout.allocate(num_blocks=4, num_kv_heads=H_KV)
-    impl = _impl(residual, prefill_kv)
+    impl = _impl(residual, prefill_kv, value_rotation=rotation)
     pool = _pool() if residual == "tail" else None
     layer = types.SimpleNamespace(layer_name="L0")
     length = 150  # two pages: one full key group + a partial one on the second page
