@@ -39,8 +39,8 @@ so a prompt's later steps read its earlier ones unquantized, as one-step prefill
 ``prompt_exact_tokens * layers * kv_heads * head_size * 2`` elements in the model dtype
 (logged at start-up), and only while a prompt is being prefilled.
 
-Four knobs change the page format itself (the bytes per token vLLM budgets follow them; see
-:mod:`vllm_accel.kernels.kivi_format` for the layout):
+Four knobs change the page format itself (the bytes per token vLLM budgets follow the first
+three; see :mod:`vllm_accel.kernels.kivi_format` for the layout):
 
 * ``key_group`` (64): tokens per key quantization group, one of 16, 32, 64, 128. Smaller groups
   follow the keys more closely and cost ``4 * head_size / key_group`` bytes per token and head in
