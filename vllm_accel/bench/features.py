@@ -156,6 +156,7 @@ FEATURES: dict[str, FeatureBench] = {
             baseline=kv_quant.engine_extra("auto"),
             accelerated=kv_quant.engine_extra(kv_quant.DEFAULT_DTYPE),
             extra_report=kv_quant.report,
+            extra_sides=kv_quant.other_value_rotation,
             finish_engine=kv_quant.finish_engine,
             # bf16 is emulated on AVX2 CPUs (slow): one 2K prompt, a 2K needle sweep, 2 windows
             quick=BenchPlan(prompt_lengths=(2048,), output_tokens=32,

@@ -307,6 +307,8 @@ def run_feature(feature: FeatureBench, plan: BenchPlan, model_dir: str, model_na
         run(label, extra, quality_tasks)
         quality[f"needle_{label}"] = sides[label]["needle_accuracy"]
         quality.update({f"{k}_{label}": v for k, v in sides[label]["retrieval"].items()})
+        quality.update({f"{k}_{label}": v for k, v in retrieval_case_changes(
+            sides["baseline"]["retrieval_by_case"], sides[label]["retrieval_by_case"]).items()})
     return {
         "feature": feature.name,
         "summary": feature.summary,

@@ -19,7 +19,9 @@ side's cache costs; ``ratios.tail_pool_bytes`` the pool. ``ratios.prompt_buffer_
 most the exact prompt buffer holds (``kv_quant.prompt_exact_tokens``: unquantized K/V of a
 prompt between its prefill steps, only while it is prefilled; not netted from the budget, like
 the prefill's activations). Quality (``quality.ppl_bf16``, ``quality.ppl_quant``,
-needle/retrieval, top-1 agreement with the bf16 side) comes from the common tasks.
+needle/retrieval, top-1 agreement with the bf16 side) comes from the common tasks. With
+``--set extra_sides=true`` the quality tasks run once more on the KIVI side with the other
+``value_rotation`` (:func:`other_value_rotation`; ``quality.*_value_rotation_<rotation>``).
 ``quality.kv_quant`` records every KIVI knob the side ran with (``bench kv-quant --kv-quant
 KNOB=VALUE``, e.g. ``sink_tokens=4``), ``quality.prefill_kv`` the one that decides what prompt
 scores mean (``--prefill-kv``): under ``exact`` (the CPU default) a prompt attends to its own
@@ -106,6 +108,26 @@ def finish_engine(engine: dict[str, Any]) -> dict[str, Any]:
     """The KV budget net of the residual pool, so both sides use the same memory."""
     return {**engine, "kv_cache_memory_bytes":
             engine["kv_cache_memory_bytes"] - residual_pool_bytes(engine)}
+
+
+def other_value_rotation(plan: Any, accelerated: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The extra side of ``--set extra_sides=true``: the accelerated side's engine with the
+    other ``kv_quant.value_rotation`` (``none`` <-> ``hadamard``), so a run compares the cache,
+    the format as configured, and the format with the value rotation switched, on the same
+    prompts (the quality tasks only). Named ``value_rotation_<rotation>``."""
+    import copy
+
+    from vllm_accel.kv_quant.config import load_knobs
+
+    engine = accelerated["engine"]
+    other = ("none" if load_knobs(engine.get("additional_config")).value_rotation == "hadamard"
+             else "hadamard")
+    config = copy.deepcopy(engine.get("additional_config") or {})
+    config.setdefault("vllm_accel", {}).setdefault("kv_quant", {})["value_rotation"] = other
+    # ``run_feature`` nets the residual pool from the budget again (``finish_engine``)
+    budget = engine["kv_cache_memory_bytes"] + residual_pool_bytes(engine)
+    return {f"value_rotation_{other}": {**engine, "kv_cache_memory_bytes": budget,
+                                        "additional_config": config}}
 
 
 def _tokens(side: dict[str, Any]) -> int:

@@ -53,7 +53,13 @@ def table(result: dict[str, Any]) -> str:
     q = result["quality"]
 
     def extra_note(key: str) -> str:
-        return "; ".join(f"{label}: {_fmt(q.get(f'{key}_{label}'))}" for label in extra)
+        def changed(label: str) -> str:  # retrieval: cases worse/better against the baseline
+            worse = q.get(f"{key}_cases_worse_{label}")
+            better = q.get(f"{key}_cases_better_{label}")
+            return "" if worse is None else f" (cases worse/better: {worse}/{better})"
+
+        return "; ".join(f"{label}: {_fmt(q.get(f'{key}_{label}'))}{changed(label)}"
+                         for label in extra)
 
     if q.get("needle_baseline") is not None:
         rows.append(("needle accuracy", _fmt(q["needle_baseline"]),

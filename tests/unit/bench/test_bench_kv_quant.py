@@ -96,3 +96,24 @@ def test_format_knobs_reach_the_engine_the_pool_and_the_report(tmp_path):
                          (["key_group=48"], "key_group=48")):
         with pytest.raises(ValueError, match=message):
             _kv_quant_knobs(bad, None)
+
+
+@pytest.mark.parametrize("rotation,other", [(None, "hadamard"), ("hadamard", "none")])
+def test_extra_side_switches_the_value_rotation_and_keeps_the_rest(tmp_path, rotation, other):
+    """``--set extra_sides=true``: the KIVI side again with the other value rotation, the same
+    knobs and, once ``run_feature`` nets the pool again, the same KV budget."""
+    knobs = {"sink_tokens": 1, **({"value_rotation": rotation} if rotation else {})}
+    engine = kv_quant.finish_engine(_engine(tmp_path, **kv_quant.engine_extra("kivi_4bit",
+                                                                              knobs=knobs)))
+    sides = kv_quant.other_value_rotation(None, {"engine": engine})
+    assert list(sides) == [f"value_rotation_{other}"]
+    extra = sides[f"value_rotation_{other}"]
+    assert extra["additional_config"] == {"vllm_accel": {"kv_quant": {
+        "sink_tokens": 1, "value_rotation": other}}}
+    assert engine["additional_config"]["vllm_accel"]["kv_quant"] == knobs  # not mutated
+    assert kv_quant.finish_engine(extra)["kv_cache_memory_bytes"] == engine[
+        "kv_cache_memory_bytes"]
+    assert {k: v for k, v in extra.items() if k != "additional_config"} == {
+        k: v for k, v in engine.items() if k not in ("additional_config",
+                                                     "kv_cache_memory_bytes")} | {
+        "kv_cache_memory_bytes": kv_quant.KV_CACHE_BYTES}
