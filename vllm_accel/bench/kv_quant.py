@@ -112,16 +112,18 @@ def finish_engine(engine: dict[str, Any]) -> dict[str, Any]:
 
 def other_value_rotation(plan: Any, accelerated: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The extra side of ``--set extra_sides=true``: the accelerated side's engine with the
-    other ``kv_quant.value_rotation`` (``none`` <-> ``hadamard``), so a run compares the cache,
+    other ``kv_quant.value_rotation`` (``none`` <-> ``hadamard``; ``auto`` is resolved for the
+    model's head size first), so a run compares the cache,
     the format as configured, and the format with the value rotation switched, on the same
     prompts (the quality tasks only). Named ``value_rotation_<rotation>``."""
     import copy
 
-    from vllm_accel.kv_quant.config import load_knobs
+    from vllm_accel.kv_quant.config import load_knobs, resolve_value_rotation
 
     engine = accelerated["engine"]
-    other = ("none" if load_knobs(engine.get("additional_config")).value_rotation == "hadamard"
-             else "hadamard")
+    rotation = resolve_value_rotation(load_knobs(engine.get("additional_config")).value_rotation,
+                                      _model_kv_shape(engine)["head_size"])
+    other = "none" if rotation == "hadamard" else "hadamard"
     config = copy.deepcopy(engine.get("additional_config") or {})
     config.setdefault("vllm_accel", {}).setdefault("kv_quant", {})["value_rotation"] = other
     # ``run_feature`` nets the residual pool from the budget again (``finish_engine``)

@@ -66,6 +66,7 @@ from vllm_accel.kv_quant.config import (
     exact_prefill,
     load_knobs,
     resolve_prefill_kv,
+    resolve_value_rotation,
 )
 from vllm_accel.kv_quant.prompt_kv import PromptKvBuffer, PromptKvStep, buffer_bytes
 from vllm_accel.kv_quant.tail_pool import TailPool, entries_per_request
@@ -108,7 +109,8 @@ def page_layout(kv_cache_dtype: str, head_size: int, block_size: int,
     return KiviLayout.preset(kv_cache_dtype, head_size=head_size, block_size=block_size,
                              dtype=dtype, residual=knobs.residual, key_group=knobs.key_group,
                              value_group=knobs.value_group or None,
-                             sink_tokens=knobs.sink_tokens, value_rotation=knobs.value_rotation)
+                             sink_tokens=knobs.sink_tokens,
+                             value_rotation=resolve_value_rotation(knobs.value_rotation, head_size))
 
 
 # --------------------------------------------------------------------------------------------
@@ -487,12 +489,15 @@ class KiviAttentionImpl(AttentionImpl):
                 why = f"; not native: {native_problem(probe, device)}"
             logger.info("%s: cache write and attention kernel %s (knob "
                         "vllm_accel.kv_quant.kernel=%s%s); prefill chunks attend to their own "
-                        "K/V %s (vllm_accel.kv_quant.prefill_kv=%s)", flag, self.kernel,
+                        "K/V %s (vllm_accel.kv_quant.prefill_kv=%s); values stored %s "
+                        "(vllm_accel.kv_quant.value_rotation=%s)", flag, self.kernel,
                         self.knobs.kernel, why,
                         "unquantized" if self.exact_prefill else "from the quantized cache",
-                        self.knobs.prefill_kv)
+                        self.knobs.prefill_kv,
+                        "Hadamard-rotated" if probe.value_rotation == "hadamard" else "as they are",
+                        self.knobs.value_rotation)
         self._layouts: dict[int, KiviLayout] = {}
-        if self.knobs.value_rotation == "hadamard":  # built once here, not inside a forward
+        if probe.value_rotation == "hadamard":  # built once here, not inside a forward
             hadamard_matrix(head_size, torch.empty(0, device=device).device)  # "cuda" -> cuda:N
 
     def layout_for(self, kv_cache: torch.Tensor) -> KiviLayout:

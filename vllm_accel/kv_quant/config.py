@@ -50,10 +50,11 @@ three; see :mod:`vllm_accel.kernels.kivi_format` for the layout):
 * ``sink_tokens`` (0): the first S token slots of every page keep a full-precision copy of their
   K and V (the sequence's first tokens, its attention sinks, on its first page), ``0 <= S <
   key_group`` and ``S <= 32``.
-* ``value_rotation`` (``"none"``): ``"hadamard"`` stores every value row multiplied by the
+* ``value_rotation`` (``"auto"``): ``"hadamard"`` stores every value row multiplied by the
   head-size Hadamard matrix and rotates the attention output back (same bytes; the head size must
   be a power of two). It spreads a row's large channels over all of them before the per-token
-  quantization; see :mod:`vllm_accel.kernels.kivi_format`.
+  quantization; see :mod:`vllm_accel.kernels.kivi_format`. ``"auto"``: ``hadamard`` where the
+  head size is a power of two, ``none`` (values stored as they are) otherwise.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ SECTION = "kv_quant"
 KERNELS = ("auto", "torch", "triton", "native")
 RESIDUALS = ("tail", "page")
 PREFILL_KV = ("auto", "exact", "cache")
+VALUE_ROTATION_KNOB = ("auto", *VALUE_ROTATIONS)
 
 
 @register_section(SECTION)
@@ -90,7 +92,7 @@ class KvQuantKnobs:
     steps for the prompt's later steps to read (``exact`` only; 0: off).
     ``key_group``, ``value_group`` (0: the head size), ``sink_tokens``, ``value_rotation``: the
     page format's key group (tokens), value group (channels), full-precision sink slots per page
-    and value rotation (``none`` or ``hadamard``)."""
+    and value rotation (``auto``, ``none`` or ``hadamard``)."""
 
     kernel: str = "auto"
     residual: str = "tail"
@@ -99,7 +101,7 @@ class KvQuantKnobs:
     key_group: int = 64
     value_group: int = 0
     sink_tokens: int = 0
-    value_rotation: str = "none"
+    value_rotation: str = "auto"
 
     def validate(self) -> dict[str, str]:
         problems: dict[str, str] = {}
@@ -120,8 +122,8 @@ class KvQuantKnobs:
             problems["sink_tokens"] = (f"must be in [0, {min(self.key_group - 1, MAX_SINK_TOKENS)}]"
                                        f" (below key_group={self.key_group}, at most "
                                        f"{MAX_SINK_TOKENS})")
-        if self.value_rotation not in VALUE_ROTATIONS:
-            problems["value_rotation"] = f"must be one of {', '.join(VALUE_ROTATIONS)}"
+        if self.value_rotation not in VALUE_ROTATION_KNOB:
+            problems["value_rotation"] = f"must be one of {', '.join(VALUE_ROTATION_KNOB)}"
         return problems
 
 
@@ -129,6 +131,18 @@ def load_knobs(additional_config: dict | None) -> KvQuantKnobs:
     from vllm_accel.config import load_section
 
     return load_section(SECTION, additional_config)
+
+
+def resolve_value_rotation(value_rotation: str, head_size: int) -> str:
+    """``auto`` -> ``hadamard`` where ``head_size`` is a power of two (the size the Sylvester
+    Hadamard matrix exists at), ``none`` otherwise; other values as given.
+
+    >>> resolve_value_rotation("auto", 64), resolve_value_rotation("auto", 96)
+    ('hadamard', 'none')
+    """
+    if value_rotation == "auto":
+        return "none" if head_size & (head_size - 1) else "hadamard"
+    return value_rotation
 
 
 def resolve_prefill_kv(prefill_kv: str, kernel: str) -> str:

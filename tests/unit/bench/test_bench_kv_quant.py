@@ -98,7 +98,8 @@ def test_format_knobs_reach_the_engine_the_pool_and_the_report(tmp_path):
             _kv_quant_knobs(bad, None)
 
 
-@pytest.mark.parametrize("rotation,other", [(None, "hadamard"), ("hadamard", "none")])
+@pytest.mark.parametrize("rotation,other", [(None, "none"), ("auto", "none"),
+                                            ("hadamard", "none"), ("none", "hadamard")])
 def test_extra_side_switches_the_value_rotation_and_keeps_the_rest(tmp_path, rotation, other):
     """``--set extra_sides=true``: the KIVI side again with the other value rotation, the same
     knobs and, once ``run_feature`` nets the pool again, the same KV budget."""

@@ -75,7 +75,7 @@ def test_kv_quant_report_capacity_from_blocks():
     assert quality["kv_quant"] == {"kernel": "auto", "residual": "tail", "prefill_kv": "auto",
                                    "prompt_exact_tokens": 8192, "key_group": 64,
                                    "value_group": 0, "sink_tokens": 0,
-                                   "value_rotation": "none"}
+                                   "value_rotation": "auto"}
 
 
 def test_kv_quant_report_records_the_knobs_the_engine_ran():

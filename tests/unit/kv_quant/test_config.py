@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import doctest
+
 import pytest
 
 from vllm_accel.config import AccelConfigError
@@ -58,7 +60,25 @@ def test_format_knobs_are_validated_at_load():
             load_knobs({"vllm_accel": {"kv_quant": {key: value}}})
     assert load_knobs({"vllm_accel": {"kv_quant": {"value_rotation": "hadamard"}}}
                       ).value_rotation == "hadamard"
-    with pytest.raises(AccelConfigError, match=r"value_rotation=.?random.*none, hadamard"):
+    with pytest.raises(AccelConfigError, match=r"value_rotation=.?random.*auto, none, hadamard"):
         load_knobs({"vllm_accel": {"kv_quant": {"value_rotation": "random"}}})
     with pytest.raises(AccelConfigError, match=r"sink_tokens=16.*\[0, 15\]"):
         load_knobs({"vllm_accel": {"kv_quant": {"key_group": 16, "sink_tokens": 16}}})
+
+
+def test_value_rotation_auto_rotates_where_the_head_size_allows_it():
+    """The default ``auto`` stores values Hadamard-rotated at power-of-two head sizes and as
+    they are elsewhere (a model with head size 96 must still start with the defaults)."""
+    from vllm_accel.kv_quant import config
+    from vllm_accel.kv_quant.backend import page_layout
+
+    assert KvQuantKnobs().value_rotation == "auto"
+    assert [config.resolve_value_rotation("auto", d) for d in (32, 64, 80, 96, 128)] == [
+        "hadamard", "hadamard", "none", "none", "hadamard"]
+    assert config.resolve_value_rotation("none", 64) == "none"
+    assert config.resolve_value_rotation("hadamard", 128) == "hadamard"
+    assert page_layout("kivi_4bit", 64, 128).value_rotation == "hadamard"
+    assert page_layout("kivi_4bit", 96, 128).value_rotation == "none"
+    assert page_layout("kivi_4bit", 64, 128, knobs=KvQuantKnobs(value_rotation="none")
+                       ).value_rotation == "none"
+    assert doctest.testmod(config).failed == 0

@@ -115,6 +115,8 @@ def test_startup_problems_check_the_format_knobs_against_the_model(monkeypatch):
     assert "value_group=24" in group and "head size 64" in group and "8, 16, 32, 64" in group
     assert startup_problems("kivi_4bit", _selector_config(head_size=96)) == []
     monkeypatch.delenv("VLLM_ACCEL_KV_QUANT_VALUE_GROUP")
+    # the default value_rotation (auto) falls back to none where Hadamard cannot apply
+    assert startup_problems("kivi_4bit", _selector_config(head_size=96)) == []
     monkeypatch.setenv("VLLM_ACCEL_KV_QUANT_VALUE_ROTATION", "hadamard")
     assert startup_problems("kivi_4bit", _selector_config(head_size=128)) == []
     (rotation,) = startup_problems("kivi_4bit", _selector_config(head_size=96))
