@@ -22,14 +22,17 @@ def pytest_collection_modifyitems(items):
 
 @pytest.fixture
 def generate(tmp_path):
-    """generate(label, model_dir, prompts_ids, max_tokens, sequential=True, **engine) ->
-    (outputs, log text); ``sequential=False`` sends all prompts as one batch."""
+    """generate(label, model_dir, prompts_ids, max_tokens, sequential=True, ignore_eos=False,
+    **engine) -> (outputs, log text); ``sequential=False`` sends all prompts as one batch,
+    ``ignore_eos=True`` always generates ``max_tokens`` tokens (random-weight models may emit
+    their EOS token at any step)."""
 
     def run(label: str, model_dir: str, prompts: list[list[int]], max_tokens: int,
-            sequential: bool = True, **engine: Any) -> tuple[list[dict[str, Any]], str]:
+            sequential: bool = True, ignore_eos: bool = False,
+            **engine: Any) -> tuple[list[dict[str, Any]], str]:
         settings = engine_settings(model_dir, 2048, 0.2, engine)
         task = {"kind": "generate", "name": "out", "prompts": prompts, "max_tokens": max_tokens,
-                "sequential": sequential}
+                "sequential": sequential, "ignore_eos": ignore_eos}
         result = run_side(label, settings, [task], timeout_s=900, log_dir=tmp_path,
                           deterministic_batches=not sequential)
         return result["tasks"]["out"], Path(tmp_path, f"{label}.log").read_text()

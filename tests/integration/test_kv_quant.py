@@ -30,7 +30,8 @@ def test_tiny_model_kivi_4bit_selects_backend_and_counts_page_bytes(generate, ti
     tok = load_tokenizer(tiny_llama)
     prompts = [tok(q)["input_ids"] for q in ("What is the capital of France?", "Hello there")]
     base, base_log = generate("bf16", tiny_llama, prompts, 16)
-    kivi, log = generate("kivi_4bit", tiny_llama, prompts, 16, kv_cache_dtype="kivi_4bit")
+    kivi, log = generate("kivi_4bit", tiny_llama, prompts, 16, ignore_eos=True,
+                         kv_cache_dtype="kivi_4bit")
     assert "--kv-cache-dtype kivi_4bit: selecting the ACCEL_KIVI_4BIT attention backend" in log
     assert "Using ACCEL_KIVI_4BIT backend on CPU" in log
     assert "72 B/token/head" in log  # the page format the impl runs with
