@@ -113,9 +113,9 @@ def finish_engine(engine: dict[str, Any]) -> dict[str, Any]:
 def other_value_rotation(plan: Any, accelerated: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The extra side of ``--set extra_sides=true``: the accelerated side's engine with the
     other ``kv_quant.value_rotation`` (``none`` <-> ``hadamard``; ``auto`` is resolved for the
-    model's head size first), so a run compares the cache,
-    the format as configured, and the format with the value rotation switched, on the same
-    prompts (the quality tasks only). Named ``value_rotation_<rotation>``."""
+    model's head size first), so a run compares the cache, the format as configured, and the
+    format with the value rotation switched, on the same prompts (the quality tasks only).
+    Named ``value_rotation_<rotation>``."""
     import copy
 
     from vllm_accel.kv_quant.config import load_knobs, resolve_value_rotation
