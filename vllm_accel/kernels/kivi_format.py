@@ -241,7 +241,7 @@ class KiviLayout:
             raise bad("residual", self.residual, f"one of {RESIDUAL_MODES}")
         if self.value_rotation not in VALUE_ROTATIONS:
             raise bad("value_rotation", self.value_rotation, f"one of {VALUE_ROTATIONS}")
-        if self.value_rotation == "hadamard" and d & (d - 1):
+        if self.value_rotation == "hadamard" and not hadamard_fits(d):
             raise bad("value_rotation", self.value_rotation,
                       f"'none' for head_size={d} ('hadamard' needs a power-of-two head size)")
 
@@ -560,6 +560,12 @@ def _hadamard(n: int, device: torch.device) -> torch.Tensor:
     return (h / math.sqrt(n)).to(torch.float32).to(device)
 
 
+def hadamard_fits(n: int) -> bool:
+    """Whether the Sylvester Hadamard matrix exists at size ``n`` (a power of two), i.e. whether
+    ``value_rotation="hadamard"`` can apply at head size ``n``."""
+    return n > 0 and not n & (n - 1)
+
+
 def hadamard_matrix(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """The normalized Sylvester Hadamard matrix ``[n, n]`` (float32; ``n`` a power of two):
     symmetric and orthogonal, so it is its own inverse.
@@ -568,7 +574,7 @@ def hadamard_matrix(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
     >>> torch.equal(h, h.T), torch.allclose(h @ h, torch.eye(4))
     (True, True)
     """
-    if n <= 0 or n & (n - 1):
+    if not hadamard_fits(n):
         raise ValueError(f"hadamard_matrix: n={n} must be a power of two")
     return _hadamard(n, torch.device(device))
 

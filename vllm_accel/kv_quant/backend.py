@@ -60,7 +60,12 @@ from vllm_accel.attention import step_requests
 from vllm_accel.attention.registry import KV_CACHE_DTYPE_BACKENDS
 from vllm_accel.kernels.kivi_attention import kivi_paged_attention
 from vllm_accel.kernels.kivi_cache import quantize_on_write, resolve_backend
-from vllm_accel.kernels.kivi_format import ALLOWED_DTYPES, KiviLayout, hadamard_matrix
+from vllm_accel.kernels.kivi_format import (
+    ALLOWED_DTYPES,
+    KiviLayout,
+    hadamard_fits,
+    hadamard_matrix,
+)
 from vllm_accel.kv_quant.config import (
     KvQuantKnobs,
     exact_prefill,
@@ -162,7 +167,7 @@ def startup_problems(kv_cache_dtype: str, selector_config: Any) -> list[str]:
         problems.append(
             f"{flag} with vllm_accel.kv_quant.value_group={knobs.value_group}: the value group "
             f"must divide this model's head size {head}; supported: 0 (the head size), {fits}")
-    if knobs.value_rotation == "hadamard" and head & (head - 1):
+    if knobs.value_rotation == "hadamard" and not hadamard_fits(head):
         problems.append(
             f"{flag} with vllm_accel.kv_quant.value_rotation='hadamard' needs a power-of-two head "
             f"size; this model's is {head}; supported here: none")

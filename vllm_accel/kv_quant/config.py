@@ -63,7 +63,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from vllm_accel.config import register_section
-from vllm_accel.kernels.kivi_format import ALLOWED_KEY_GROUPS, MAX_SINK_TOKENS, VALUE_ROTATIONS
+from vllm_accel.kernels.kivi_format import (
+    ALLOWED_KEY_GROUPS,
+    MAX_SINK_TOKENS,
+    VALUE_ROTATIONS,
+    hadamard_fits,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -141,7 +146,7 @@ def resolve_value_rotation(value_rotation: str, head_size: int) -> str:
     ('hadamard', 'none')
     """
     if value_rotation == "auto":
-        return "none" if head_size & (head_size - 1) else "hadamard"
+        return "hadamard" if hadamard_fits(head_size) else "none"
     return value_rotation
 
 
