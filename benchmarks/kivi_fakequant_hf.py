@@ -92,7 +92,10 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--window", type=int, default=1024)
     ap.add_argument("--count", type=int, default=2)
-    ap.add_argument("--formats", default="bf16,kivi_4bit,kivi_2bit")
+    ap.add_argument("--formats", default="bf16,kivi_4bit,kivi_2bit",
+                    help="comma-separated kivi_format.fake_quant_kv names: bf16 (unquantized), "
+                    "kivi_4bit, kivi_2bit, int4_per_token_head (vLLM's format), int4_per_token, "
+                    "int8_per_token")
     ap.add_argument("--key-group", type=int, default=0)
     ap.add_argument("--value-rotation", choices=("none", "hadamard"), default="none",
                     help="KIVI formats: kv_quant.value_rotation")

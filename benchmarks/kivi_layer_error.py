@@ -7,7 +7,9 @@ fp32 causal attention on them with attention on the unquantized K/V (relative Fr
 the output). Formats: ``kivi_4bit`` (keys per channel over 64-token groups), the same with its
 values Hadamard-rotated before quantization (``kv_quant.value_rotation``), the same bits with
 keys per token (``key_mode="token"``: only the key axis changes), ``int4_per_token`` (vLLM's
-int4_per_token_head without its Hadamard rotation), ``int8_per_token`` and ``kivi_2bit``. The
+int4_per_token_head without its Hadamard rotation), ``int4_per_token_head`` (vLLM's format as it
+is, rotation included: ``kernels/int4_per_token_head_ref.py``), ``int8_per_token`` and
+``kivi_2bit``. The
 ``outlier`` column is the layer's largest key channel (mean |k| over tokens and heads) over the
 median channel.
 
@@ -29,6 +31,7 @@ FORMATS = (  # label, fake_quant_kv format (a preset, or a preset with layout ov
     ("kivi_4bit_v_hadamard", ("kivi_4bit", {"value_rotation": "hadamard"}), "channel"),
     ("4bit_keys_per_token", "kivi_4bit", "token"),
     ("int4_per_token", "int4_per_token", "channel"),
+    ("int4_per_token_head", "int4_per_token_head", "channel"),
     ("int8_per_token", "int8_per_token", "channel"),
     ("kivi_2bit", "kivi_2bit", "channel"),
 )

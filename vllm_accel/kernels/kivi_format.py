@@ -618,8 +618,10 @@ def fake_quant_kv(
     ``fmt``: a :class:`KiviLayout` (exactly what the paged cache stores and attention reads:
     complete key groups quantized, the unfinished group and sink slots in full precision),
     a preset name (``kivi_4bit``, ``kivi_2bit``, ``kivi_k4v2``; bf16 rows, ``block_size`` tokens
-    per page), ``bf16``, or a per-token baseline ``int8_per_token`` / ``int4_per_token`` /
-    ``int2_per_token`` (per (token, head) over D, fp16 scale/zero, no residual).
+    per page), ``bf16``, a per-token baseline ``int8_per_token`` / ``int4_per_token`` /
+    ``int2_per_token`` (per (token, head) over D, fp16 scale/zero, no residual), or
+    ``int4_per_token_head``: vLLM's format of that name, rotated and all
+    (:mod:`vllm_accel.kernels.int4_per_token_head_ref`).
     ``key_mode="token"`` quantizes the keys of a KIVI format per token instead of per channel
     (same bits, channel groups of ``value_group``) to isolate the effect of the key axis.
     Returns fp32 tensors.
@@ -634,10 +636,14 @@ def fake_quant_kv(
         if fmt in _PER_TOKEN_FORMATS:
             b = _PER_TOKEN_FORMATS[fmt]
             return fake_quant_per_token(k, b), fake_quant_per_token(v, b)
+        if fmt == "int4_per_token_head":
+            from vllm_accel.kernels.int4_per_token_head_ref import fake_quant_int4_per_token_head
+
+            return fake_quant_int4_per_token_head(k), fake_quant_int4_per_token_head(v)
         if fmt in PRESETS:
             fmt = KiviLayout.preset(fmt, head_size=k.shape[-1], block_size=block_size)
         else:
-            allowed = ["bf16", *_PER_TOKEN_FORMATS, *PRESETS]
+            allowed = ["bf16", *_PER_TOKEN_FORMATS, "int4_per_token_head", *PRESETS]
             raise ValueError(
                 f"fake_quant_kv: unknown fmt={fmt!r}; allowed: {allowed} or a KiviLayout"
             )
