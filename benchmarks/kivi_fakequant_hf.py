@@ -28,13 +28,15 @@ from pathlib import Path
 import torch
 
 MODE = {"fmt": "bf16", "key_group": None, "value_rotation": "none", "dump": None, "fp32": False,
-        "semantics": "prefill"}
+        "semantics": "prefill", "value_residual": False}
 
 
-def _decode_semantics_attention(query, k, kq, vq, key_group, scaling):
+def _decode_semantics_attention(query, k, kq, vq, key_group, scaling, v=None):
     """fp32 causal attention where query ``i`` sees key ``j`` quantized iff j's key group ends at
     or before ``i`` (what a decode step at ``i`` reads after writing its own token), values
-    always quantized.  ``query [1, Hq, L, D]``; ``k, kq, vq [L, H_kv, D]``."""
+    quantized; with ``v`` (unquantized values) the values of the unfinished group are read
+    from ``v`` as well (a value residual, as KIVI's reference code keeps; not in this format).
+    ``query [1, Hq, L, D]``; ``k, kq, vq, v [L, H_kv, D]``."""
     q = query[0].float()
     rep = q.shape[0] // k.shape[1]
     exact_k, quant_k, quant_v = (
@@ -44,7 +46,12 @@ def _decode_semantics_attention(query, k, kq, vq, key_group, scaling):
     quantized = (j // key_group + 1) * key_group - 1 <= i
     s = torch.where(quantized, q @ quant_k.transpose(1, 2), q @ exact_k.transpose(1, 2))
     s = (s * scaling).masked_fill(j > i, float("-inf"))
-    out = torch.softmax(s, -1) @ quant_v
+    p = torch.softmax(s, -1)
+    if v is None:
+        out = p @ quant_v
+    else:
+        exact_v = v.float().transpose(0, 1).repeat_interleave(rep, 0)
+        out = (p * quantized) @ quant_v + (p * ~quantized) @ exact_v
     return out.transpose(0, 1).unsqueeze(0).to(query.dtype)
 
 
@@ -68,8 +75,9 @@ def _fq_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
                                        dtype=key.dtype, **over)
             kq, vq = fake_quant_kv(k, v, layout)
             if MODE["semantics"] == "decode":
+                v_residual = v if MODE["value_residual"] else None
                 return _decode_semantics_attention(query, k, kq, vq, layout.key_group,
-                                                   scaling), None
+                                                   scaling, v_residual), None
         else:
             kq, vq = fake_quant_kv(k, v, fmt)
         cast = torch.float32 if MODE["fp32"] else key.dtype
@@ -100,6 +108,9 @@ def main() -> None:
     ap.add_argument("--value-rotation", choices=("none", "hadamard"), default="none",
                     help="KIVI formats: kv_quant.value_rotation")
     ap.add_argument("--semantics", choices=("prefill", "decode"), default="prefill")
+    ap.add_argument("--value-residual", action="store_true",
+                    help="decode semantics: read the values of each query's unfinished key group "
+                    "unquantized too (a what-if: the format quantizes values on write)")
     ap.add_argument("--dump", default=None)
     ap.add_argument("--dump-format", default="bf16")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
@@ -124,6 +135,7 @@ def main() -> None:
     MODE["value_rotation"] = args.value_rotation
     MODE["fp32"] = args.fp32_attention
     MODE["semantics"] = args.semantics
+    MODE["value_residual"] = args.value_residual
     res, predictions = {}, {}
     for fmt in args.formats.split(","):
         MODE["fmt"] = fmt

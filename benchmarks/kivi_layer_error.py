@@ -15,7 +15,8 @@ median channel.
 
     .venv/bin/python benchmarks/kivi_fakequant_hf.py --model DIR --count 1 --formats bf16 \\
         --dtype float32 --dump /tmp/qkv
-    .venv/bin/python benchmarks/kivi_layer_error.py /tmp/qkv/qkv.pt [--json out.json]
+    .venv/bin/python benchmarks/kivi_layer_error.py /tmp/qkv/qkv.pt [--json out.json] \\
+        [--split kivi_2bit]
 """
 
 from __future__ import annotations
@@ -58,12 +59,35 @@ def layer_errors(dump: list) -> list[dict]:
     return rows
 
 
+def split_errors(dump: list, preset: str) -> dict[str, float]:
+    """Mean attention-output error of ``preset`` (values rotated, the default) with only the keys
+    quantized and with only the values quantized: which of the two carries the error."""
+    from vllm_accel.kernels.kivi_format import KiviLayout, fake_quant_kv, reference_attention
+
+    sums = {"keys_only": 0.0, "values_only": 0.0}
+    for q, k, v, scale in dump:
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+        layout = KiviLayout.preset(preset, head_size=k.shape[-1], value_rotation="hadamard")
+        kq, vq = fake_quant_kv(k, v, layout)
+        ref = reference_attention(q, k, v, scale=scale)
+        for name, (kk, vv) in {"keys_only": (kq, v), "values_only": (k, vq)}.items():
+            out = reference_attention(q, kk, vv, scale=scale)
+            sums[name] += float((out - ref).norm() / ref.norm())
+    return {name: total / len(dump) for name, total in sums.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("dump", help="qkv.pt written by kivi_fakequant_hf.py --dump")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--split", default=None, metavar="PRESET",
+                    help="also print PRESET's (e.g. kivi_2bit) mean error with only the keys and "
+                    "with only the values quantized")
     args = ap.parse_args()
-    rows = layer_errors(torch.load(args.dump))
+    dump = torch.load(args.dump)
+    if args.split:
+        print(args.split, {k: round(v, 4) for k, v in split_errors(dump, args.split).items()})
+    rows = layer_errors(dump)
     labels = [label for label, _, _ in FORMATS]
     print("layer  outlier  " + "  ".join(f"{label:>19s}" for label in labels))
     for r in rows:
