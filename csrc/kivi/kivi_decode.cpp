@@ -235,7 +235,24 @@ struct Geometry {
   int64_t sink_tokens = 0, off_sk = 0, off_sv = 0, sink_elem_bytes = 2;
   bool sink_bf16 = true;
   float scale;
+  // > 0: the pages hold Hadamard-rotated value rows (kv_quant.value_rotation); each output
+  // row is multiplied by the unnormalized Hadamard matrix and this factor (1 / sqrt(D)) to
+  // rotate it back. D must then be a power of two.
+  float rotate_out = 0.f;
 };
+
+// In-place Walsh-Hadamard transform of n floats (n a power of two), Sylvester order: x <- H x.
+inline void hadamard_inplace(float* x, int64_t n) {
+  for (int64_t h = 1; h < n; h *= 2) {
+    for (int64_t i = 0; i < n; i += 2 * h) {
+      for (int64_t j = i; j < i + h; ++j) {
+        const float a = x[j], b = x[j + h];
+        x[j] = a + b;
+        x[j + h] = a - b;
+      }
+    }
+  }
+}
 
 // Row r of a page's sink K or V copy (at `region`) as D floats.
 inline void load_sink_row(const Geometry& g, const uint8_t* page, int64_t region, int64_t r,
@@ -431,7 +448,11 @@ ALWAYS_INLINE void attend_one(const Geometry& g, const uint8_t* cache, const int
     }
   }
   for (int64_t i = 0; i < hq; ++i) {
-    const float inv = 1.f / w.denom[i];
+    float inv = 1.f / w.denom[i];
+    if (g.rotate_out > 0.f) {  // back from the rotated value space (linear: before the 1/denom)
+      hadamard_inplace(out + i * D, D);
+      inv *= g.rotate_out;
+    }
     for (int64_t d = 0; d < D; ++d) out[i * D + d] *= inv;
   }
 }
@@ -683,7 +704,8 @@ PYBIND11_MODULE(_C_kivi, m) {
       .def_readwrite("off_sv", &Geometry::off_sv)
       .def_readwrite("sink_elem_bytes", &Geometry::sink_elem_bytes)
       .def_readwrite("sink_bf16", &Geometry::sink_bf16)
-      .def_readwrite("scale", &Geometry::scale);
+      .def_readwrite("scale", &Geometry::scale)
+      .def_readwrite("rotate_out", &Geometry::rotate_out);
   m.def(
       "decode",
       [](uintptr_t cache, uintptr_t block_table, int64_t bt_stride, uintptr_t seq_lens,

@@ -730,6 +730,8 @@ def kivi_paged_attention(
                          "read their own key from the tail and their value from the cache)")
     if context_kv is not None and len(context_kv) != seq_lens.numel():
         raise ValueError("kivi_paged_attention: context_kv needs one entry per sequence")
+    if max_query_len is not None and max_query_len < chunk_kv_min_rows:
+        chunk_kv = context_kv = None  # no sequence's chunk reads them (decode-only steps)
     if layout.value_rotation != "none":  # the pages hold rotated values: rotate the others in
         if chunk_kv is not None:
             chunk_kv = (chunk_kv[0], rotate_values(chunk_kv[1], layout))
@@ -762,7 +764,7 @@ def kivi_paged_attention(
             num_stages,
             fold,
         )
-    elif backend == "native":
+    elif backend == "native":  # both paths return rows in the value space (rotated back)
         native_rows = _attention_native_decode(
             query, cache, block_table, seq_lens, query_start_loc, scale, layout, k_tail,
             tail_index, out, max_query_len
@@ -771,6 +773,7 @@ def kivi_paged_attention(
             query, cache, block_table, seq_lens, query_start_loc, scale, layout, k_tail,
             tail_index, out, native_rows, chunk_kv, chunk_kv_min_rows, context_kv
         )
+        return out
     else:
         _attention_torch(
             query, cache, block_table, seq_lens, query_start_loc, scale, layout, k_tail,
@@ -786,7 +789,8 @@ def _attention_split_prefill(
     query, cache, block_table, seq_lens, qsl, scale, layout, k_tail, tail_index, out, skip,
     chunk_kv, chunk_kv_min_rows, context_kv
 ):
-    """The rows not in ``skip`` (prefill chunks) through :mod:`kivi_prefill_cpu`."""
+    """The rows not in ``skip`` (prefill chunks) through :mod:`kivi_prefill_cpu`, rotated back
+    to the value space when the layout rotates values."""
     sl = seq_lens.tolist()
     starts = qsl.tolist()
     tails = tail_index.tolist() if tail_index is not None else [None] * len(sl)
@@ -798,10 +802,11 @@ def _attention_split_prefill(
             out[q0:q1] = 0
             continue
         own = _own_rows(chunk_kv, chunk_kv_min_rows, q0, q1)
-        out[q0:q1] = prefill_attention(
+        got = prefill_attention(
             query[q0:q1], cache, block_table[i], L, scale, layout, k_tail=k_tail,
             tail_entry=tails[i], chunk_kv=own, context_kv=_exact_context(context_kv, own, i),
-        ).to(out.dtype)
+        )
+        out[q0:q1] = rotate_values(got, layout).to(out.dtype)
     return out
 
 

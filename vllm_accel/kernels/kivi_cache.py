@@ -579,9 +579,10 @@ def quantize_on_write(
         backend: ``auto`` (Triton on CUDA; on CPU ``native`` when ``vllm_accel._C_kivi`` is
             built, else torch), ``torch``, ``triton`` or ``native``.
     """
-    views = layout.views(cache)
-    h = views.k_codes.shape[1]
+    pages = layout.page_view(cache)  # validates the cache; the typed views cost ~80 us per
+    h = pages.shape[1]  # call, so only the torch/Triton writers and the page residual build them
     _check_kv(key, value, layout, h)
+    views = layout.views(cache) if layout.residual == "page" else None
     tail = _resolve_tail(layout, views, k_tail, h)
     slot = slot_mapping.to(torch.int64).reshape(-1)
     if slot.numel() != key.shape[0]:
@@ -601,12 +602,14 @@ def quantize_on_write(
     if layout.value_rotation != "none":  # the page stores the rotated rows, rounded to dtype
         value = rotate_values(value.to(layout.dtype), layout)
     resolved = resolve_backend(backend, key.device, layout)
-    if resolved == "triton":
-        _write_triton(key, value, views, tail, slot, entry, layout)
-    elif resolved == "native":
+    if resolved == "native":
         from vllm_accel.kernels.kivi_cpu import write_tokens
 
-        write_tokens(key, value, layout.page_view(cache), tail, slot, entry, layout)
+        write_tokens(key, value, pages, tail, slot, entry, layout)
+        return
+    views = views or layout.views(cache)
+    if resolved == "triton":
+        _write_triton(key, value, views, tail, slot, entry, layout)
     else:
         _write_torch(key, value, views, tail, slot, entry, layout)
 

@@ -34,6 +34,8 @@ No vLLM import.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from vllm_accel.kernels.kivi_format import KiviLayout
@@ -77,6 +79,8 @@ def decode_attention(query: torch.Tensor, cache: torch.Tensor, block_table: torc
                      k_tail: torch.Tensor | None = None, tail_index: torch.Tensor | None = None,
                      num_threads: int | None = None) -> torch.Tensor:
     """Attention of one query token per sequence (its last position) over the KIVI cache.
+    With ``layout.value_rotation`` the kernel rotates each output row back from the pages'
+    rotated value space, so the result is in the model's value space either way.
 
     Args:
         query: ``[num_seqs, Hq, D]``.
@@ -108,10 +112,17 @@ def decode_attention(query: torch.Tensor, cache: torch.Tensor, block_table: torc
 
 def _geometry(layout: KiviLayout, pages: torch.Tensor, num_q_heads: int, scale: float = 1.0):
     """The kernel's view of a layer: page regions and the cache's strides (in bytes)."""
+    return _geometry_for(layout, pages.stride(0), pages.stride(1), pages.shape[1], num_q_heads,
+                         float(scale))
+
+
+@functools.lru_cache(maxsize=64)  # built once per layer shape, not in every call of every step
+def _geometry_for(layout: KiviLayout, block_stride: int, head_stride: int, num_kv_heads: int,
+                  num_q_heads: int, scale: float):
     regions = layout.regions
     geo = _C_kivi.Geometry()
-    geo.block_stride, geo.head_stride = pages.stride(0), pages.stride(1)
-    geo.page_bytes, geo.num_kv_heads, geo.num_q_heads = layout.page_bytes, pages.shape[1], \
+    geo.block_stride, geo.head_stride = block_stride, head_stride
+    geo.page_bytes, geo.num_kv_heads, geo.num_q_heads = layout.page_bytes, num_kv_heads, \
         num_q_heads
     geo.head_size, geo.block_size, geo.key_group = (layout.head_size, layout.block_size,
                                                     layout.key_group)
@@ -124,7 +135,9 @@ def _geometry(layout: KiviLayout, pages: torch.Tensor, num_q_heads: int, scale: 
         geo.off_sk, geo.off_sv = regions["sink_k"].offset, regions["sink_v"].offset
         geo.sink_elem_bytes = layout.dtype.itemsize
         geo.sink_bf16 = layout.dtype == torch.bfloat16
-    geo.scale = float(scale)
+    geo.scale = scale
+    if layout.value_rotation != "none":  # decode rotates its output back (fused in the kernel)
+        geo.rotate_out = layout.head_size ** -0.5
     return geo
 
 

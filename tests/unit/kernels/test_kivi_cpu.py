@@ -8,7 +8,7 @@ import torch
 from vllm_accel.kernels.kivi_attention import kivi_paged_attention
 from vllm_accel.kernels.kivi_cache import quantize_on_write, resolve_backend
 from vllm_accel.kernels.kivi_cpu import HAS_NATIVE, decode_attention, native_problem
-from vllm_accel.kernels.kivi_format import KiviLayout
+from vllm_accel.kernels.kivi_format import KiviLayout, hadamard_matrix
 
 from .conftest import filled_kivi_cache
 
@@ -54,6 +54,28 @@ def test_every_compiled_copy_and_head_size_matches_the_torch_path(isa, head_size
                                 head_size ** -0.5, layout, k_tail=tail, tail_index=tail_index,
                                 backend="torch", out=torch.zeros(q.shape, dtype=torch.float32))
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("isa", ["", "baseline"])
+@pytest.mark.parametrize("head_size", [64, 128, 32])
+def test_rotated_values_come_back_in_the_value_space(isa, head_size, monkeypatch):
+    """With value_rotation the kernel rotates each output row back itself (D=64 and D=128 have
+    their own copies, D=32 runs the generic one)."""
+    monkeypatch.setenv("VLLM_ACCEL_KIVI_ISA", isa)
+    layout = KiviLayout(4, 4, head_size=head_size, block_size=128, key_group=64,
+                        value_rotation="hadamard")
+    seq_lens = [1, 64, 65, 300]
+    cache, tail, table, tail_index = filled_kivi_cache(layout, seq_lens, 2, seed=3)
+    q = torch.randn(len(seq_lens), 6, head_size)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    got = decode_attention(q, cache, table, lens, 0.1, layout, k_tail=tail,
+                           tail_index=tail_index)
+    want = kivi_paged_attention(q, cache, table, lens, torch.arange(len(seq_lens) + 1), 0.1,
+                                layout, k_tail=tail, tail_index=tail_index, backend="torch",
+                                out=torch.zeros(q.shape, dtype=torch.float32))
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    unrotated = want @ hadamard_matrix(head_size)  # what the pages' space would give
+    assert not torch.allclose(got, unrotated, atol=1e-2)
 
 
 def test_threads_do_not_change_the_result():
