@@ -170,7 +170,8 @@ def startup_problems(kv_cache_dtype: str, selector_config: Any) -> list[str]:
     if knobs.value_rotation == "hadamard" and not hadamard_fits(head):
         problems.append(
             f"{flag} with vllm_accel.kv_quant.value_rotation='hadamard' needs a power-of-two head "
-            f"size; this model's is {head}; supported here: none")
+            f"size; this model's is {head}; supported here: 'none' or 'auto' (which resolves to "
+            f"'none' at this head size)")
     if selector_config.use_mla:
         problems.append(f"{flag} does not support MLA models")
     if selector_config.attn_type != AttentionType.DECODER:

@@ -121,3 +121,4 @@ def test_startup_problems_check_the_format_knobs_against_the_model(monkeypatch):
     assert startup_problems("kivi_4bit", _selector_config(head_size=128)) == []
     (rotation,) = startup_problems("kivi_4bit", _selector_config(head_size=96))
     assert "value_rotation='hadamard'" in rotation and "head size" in rotation and "96" in rotation
+    assert "'none' or 'auto'" in rotation  # the values that do run here
