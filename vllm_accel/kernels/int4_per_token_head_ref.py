@@ -35,6 +35,8 @@ import functools
 
 import torch
 
+from vllm_accel.kernels.kivi_format import hadamard_matrix
+
 _SIGN_SEED = 0x9E3779B9  # vLLM's seed of the first RHT round
 
 
@@ -50,14 +52,6 @@ def _block(d: int) -> int:
     return d & -d  # the largest power-of-two divisor of d
 
 
-@functools.lru_cache(maxsize=8)
-def _sylvester(n: int) -> torch.Tensor:
-    h = torch.ones(1, 1)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h
-
-
 def rht(x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """vLLM's single randomized Hadamard transform over the last dimension, fp32, unnormalized
     (``rht(rht(x), inverse=True) == b * x`` with ``b`` the block size).
@@ -70,7 +64,7 @@ def rht(x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     b = _block(d)
     lead = x.shape[:-1]
     xb = x.float().reshape(*lead, d // b, b)
-    h = _sylvester(b).to(x.device)
+    h = torch.sign(hadamard_matrix(b, x.device))  # the unnormalized +-1 matrix
     signs = rht_signs(b).to(x.device)  # one sign vector, shared by every block
     if inverse:
         return ((xb @ h) * signs).reshape(*lead, d)
