@@ -607,7 +607,8 @@ def quantize_on_write(
 
         write_tokens(key, value, pages, tail, slot, entry, layout)
         return
-    views = views or layout.views(cache)
+    if views is None:
+        views = layout.views(cache)
     if resolved == "triton":
         _write_triton(key, value, views, tail, slot, entry, layout)
     else:
