@@ -70,7 +70,9 @@ def test_reference_matches_vllms_write_kernel(dtype, head_size, tmp_path):
     assert torch.allclose(rht(k), k_rotated, atol=1e-4)
     for x, cache, scales in ((k, kc, ks), (v, vc, vs)):
         ours = quant_dequant_rows(rht(x).to(dtype))
-        torch.testing.assert_close(_unpack(cache, scales, t), ours, atol=5e-4, rtol=0)
+        exact = dtype == torch.bfloat16  # fp32 rows differ in the rotation's rounding only
+        torch.testing.assert_close(_unpack(cache, scales, t), ours, atol=0 if exact else 5e-4,
+                                   rtol=0)
 
 
 def test_rotation_is_what_makes_it_survive_an_outlier_channel():
