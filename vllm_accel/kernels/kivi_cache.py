@@ -582,7 +582,7 @@ def quantize_on_write(
     pages = layout.page_view(cache)  # validates the cache; the typed views cost ~80 us per
     h = pages.shape[1]  # call, so only the torch/Triton writers and the page residual build them
     _check_kv(key, value, layout, h)
-    views = layout.views(cache) if layout.residual == "page" else None
+    views = layout.views(pages) if layout.residual == "page" else None
     tail = _resolve_tail(layout, views, k_tail, h)
     slot = slot_mapping.to(torch.int64).reshape(-1)
     if slot.numel() != key.shape[0]:
@@ -608,7 +608,7 @@ def quantize_on_write(
         write_tokens(key, value, pages, tail, slot, entry, layout)
         return
     if views is None:
-        views = layout.views(cache)
+        views = layout.views(pages)
     if resolved == "triton":
         _write_triton(key, value, views, tail, slot, entry, layout)
     else:
